@@ -1,0 +1,90 @@
+# maze-grpo: GRPO post-training of a VLM on visual mazes. `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON  ?= python3.11
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+CONFIG  ?= configs/tiny-cpu.yaml
+RUN     ?= tiny-cpu
+ARGS    ?=
+TORCH   := torch==2.14.1 torchvision==0.29.1
+EXTRAS  := trainer,evaluator,exporter,server,dashboards,images,dev
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+
+export PYTHONUNBUFFERED := 1
+
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# torch first, pinned, so no later resolver pulls a multi-GB build of its own.
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+setup: $(STAMP) ## Create .venv (Python 3.11) with pinned torch and the project with every extra (idempotent)
+
+lint: setup ## Ruff over the code
+	$(PY) -m ruff check shared services tests bench
+
+test: setup ## Lint, then the test suite (installs what it needs first)
+	$(PY) -m ruff check shared services tests bench
+	$(PY) -m pytest $(ARGS)
+
+tiny-model: setup ## Build the tiny Qwen3-VL into $$SHARED_DIR/models/tiny-qwen3vl
+	$(PY) -m shared.models.tiny --config $(CONFIG) $(ARGS)
+
+sft: setup ## Supervised warm-start of the tiny model on solver trajectories, then the held-out eval
+	$(PY) -m services.trainer.sft --config $(CONFIG) $(ARGS)
+
+train: setup ## The main job: GRPO on the embedded default profile (builds tiny model + SFT when missing)
+	$(PY) -m services.trainer --config $(CONFIG) $(ARGS)
+
+submit: setup ## Submit a training job to a Ray cluster (CONFIG=..., RAY_ADDRESS=http://head:8265 or sagemaker_ray://...)
+	$(PY) -m services.trainer submit --config $(CONFIG) $(ARGS)
+
+eval: setup ## Evaluate a run's latest export (RUN=...) or ARGS="--model DIR" on the 64 held-out mazes
+	$(PY) -m services.evaluator --config $(CONFIG) --run $(RUN) $(ARGS)
+
+export: setup ## Stage a run's LoRA exports in S3 (RUN=...); starts a local S3 endpoint when none is set
+	$(PY) -m services.exporter --config $(CONFIG) --run $(RUN) $(ARGS)
+
+s3-up: setup ## Start the local S3-compatible server on loopback
+	$(PY) -m services.exporter s3-up
+
+s3-down: setup ## Stop the local S3-compatible server
+	$(PY) -m services.exporter s3-down
+
+serve: setup ## Serve the base model and its S3 adapters with Ray Serve (OpenAI-compatible, port 8000)
+	$(PY) -m services.server --config $(CONFIG) $(ARGS)
+
+play: setup ## Play maze episodes against the server (SEED=7 plays one maze and writes its GIF)
+	$(PY) -m services.evaluator play --config $(CONFIG) $(if $(SEED),--seed $(SEED)) $(ARGS)
+
+dashboards: setup ## Provision the four Ray dashboards into Grafana (GRAFANA_URL, GRAFANA_TOKEN)
+	$(PY) -m services.dashboards $(ARGS)
+
+monitor: setup ## Install and start a local Prometheus scraping Ray's metrics
+	$(PY) -m services.dashboards monitor $(ARGS)
+
+images: setup ## Build every service image through the Docker SDK
+	$(PY) -m docker_build $(ARGS)
+
+up: ## Start the local compose stack
+	docker compose -f docker/compose.yaml up -d
+
+down: ## Stop the local compose stack
+	docker compose -f docker/compose.yaml down
+
+bench: setup ## Run every benchmark in bench/, print one table, write bench/results.md
+	$(PY) -m bench $(ARGS)
+
+clean: ## Remove caches and build outputs (keeps .venv and .shared)
+	rm -rf .pytest_cache .ruff_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
+
+.PHONY: help setup lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor images up down bench clean

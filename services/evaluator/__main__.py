@@ -1,0 +1,175 @@
+"""python -m services.evaluator: the 64 held-out mazes against a checkpoint, an adapter or an endpoint.
+
+    make eval RUN=tiny-cpu                                  # the run's latest LoRA export, in-process
+    python -m services.evaluator --model DIR [--adapter EXPORT_DIR | --adapter S3_ADAPTER_ID]
+    python -m services.evaluator --base-url http://127.0.0.1:8000 --model-name tiny-qwen3vl-sft:ADAPTER
+    python -m services.evaluator --compare EVAL_DIR_A EVAL_DIR_B --out DIR
+    python -m services.evaluator --watch RUN_ID             # evaluate each new export as it lands
+    python -m services.evaluator play [--seed 7]            # play against the server (make play)
+
+Writes summary.json, episodes.jsonl, gifs/ and report.html to runs/<run>/evals/<name>/ or --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from services.evaluator.report import write_comparison, write_gifs, write_report
+from shared.config import ConfigError, RunConfig, load_config
+from shared.episodes import EpisodeSettings
+from shared.evaluation import describe, evaluate
+from shared.maze.dataset import EvalSet, parse_seeds
+from shared.models.engine import LocalEngine, ModelLoadError
+from shared.storage import (
+    ManifestError,
+    SharedVolume,
+    append_jsonl,
+    read_jsonl,
+    sha256_file,
+    step_dirs,
+    verify_manifest,
+)
+
+
+def resolve_adapter(cfg: RunConfig, adapter: str | None) -> Path | None:
+    """Returns a local adapter folder: an export folder as is, or an S3 adapter id fetched into the cache."""
+    if not adapter:
+        return None
+    path = Path(adapter)
+    if path.exists():
+        return path
+    from shared.adapters import AdapterStore
+
+    return AdapterStore.from_config(cfg).fetch(adapter)
+
+
+def identity(model_dir: Path, adapter_dir: Path | None) -> dict:
+    """Returns hashes that pin down exactly what was evaluated."""
+    ident = {"model_sha256": sha256_file(model_dir / "model.safetensors") if (model_dir / "model.safetensors").exists() else None}
+    if adapter_dir:
+        ident["adapter_sha256"] = sha256_file(adapter_dir / "adapter_model.safetensors")
+    return ident
+
+
+def finish(out: Path, summary: dict, gifs: bool, cell_px: int) -> None:
+    if gifs:
+        write_gifs(out, cell_px)
+    write_report(out)
+    print(describe(summary))
+    print(f"report: {out / 'report.html'}")
+
+
+def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: Path | None, out: Path, gifs=True) -> dict:
+    engine = LocalEngine.from_dir(model_dir, adapter_dir, cfg.model.dtype, cfg.model.max_images_in_context)
+    summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=str(model_dir),
+                          adapter=str(adapter_dir) if adapter_dir else None, extra=identity(model_dir, adapter_dir))
+    finish(out, summary, gifs, cfg.env.cell_px)
+    return summary
+
+
+def complete_exports(volume: SharedVolume, run_id: str) -> list[tuple[int, Path]]:
+    """Returns (step, policy folder) of every export whose manifest verifies."""
+    found = []
+    for step, folder in step_dirs(volume.exports(run_id)):
+        try:
+            verify_manifest(folder / "policy")
+            found.append((step, folder / "policy"))
+        except ManifestError as exc:
+            print(f"warning: skipping {folder}: {exc}", file=sys.stderr)
+    return found
+
+
+def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: float) -> None:
+    """Evaluates each complete export of a run once; keeps history.jsonl and solve_rate_vs_step.png."""
+    from services.trainer.grpo import plot_solve_rate
+
+    volume = SharedVolume(cfg.shared_path())
+    model_dir = volume.model(cfg.model.path)
+    history_path = volume.run(run_id) / "evals" / "watch" / "history.jsonl"
+    while True:
+        done = {int(r["step"]) for r in read_jsonl(history_path)}
+        for step, policy in complete_exports(volume, run_id):
+            if step in done:
+                continue
+            out = volume.eval(run_id, f"watch_step_{step}")
+            summary = eval_local(cfg, eval_set, model_dir, policy, out, gifs=False)
+            append_jsonl(history_path, {"step": step, **summary})
+        history = sorted(read_jsonl(history_path), key=lambda r: r["step"])
+        if history:
+            plot_solve_rate(history_path.parent / "solve_rate_vs_step.png", [r["step"] for r in history],
+                            [r["solve_rate"] for r in history], history[0]["oracle_solved"] / history[0]["total"], run_id)
+        if once:
+            return
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.evaluator", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    parser.add_argument("--run", default=None, help="run id: evaluate its latest export; output under runs/<run>/evals/")
+    parser.add_argument("--name", default=None, help="evaluation name (folder under runs/<run>/evals/)")
+    parser.add_argument("--out", default=None, help="output folder (instead of runs/<run>/evals/<name>)")
+    parser.add_argument("--model", default=None, help="model folder (default: the profile's model.path)")
+    parser.add_argument("--adapter", default=None, help="LoRA export folder, or an adapter id in $S3_URI/adapters/")
+    parser.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model-name", default=None, help="model name for --base-url (base or base:adapter)")
+    parser.add_argument("--seeds", default=None, help="eval seeds (default: the profile's, 0-63)")
+    parser.add_argument("--max-turns", type=int, default=None)
+    parser.add_argument("--no-gifs", action="store_true", help="skip the per-episode GIFs")
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two evaluation folders to set side by side")
+    parser.add_argument("--watch", metavar="RUN_ID", help="evaluate every new complete export of a run")
+    parser.add_argument("--once", action="store_true", help="with --watch: one pass, then exit")
+    parser.add_argument("--poll", type=float, default=30.0, help="with --watch: seconds between passes")
+    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        sys.exit(str(exc))
+    eval_set = EvalSet(cfg.env.eval_env, parse_seeds(args.seeds or cfg.env.eval_seeds), args.max_turns or cfg.env.max_turns)
+    volume = SharedVolume(cfg.shared_path())
+
+    if args.compare:
+        out = Path(args.out or ".")
+        print(f"wrote {write_comparison(Path(args.compare[0]), Path(args.compare[1]), out)}")
+        return
+    if args.watch:
+        watch(cfg, eval_set, args.watch, args.once, args.poll)
+        return
+
+    try:
+        if args.base_url:
+            from shared.models.endpoint import OpenAIEngine
+
+            engine = OpenAIEngine(args.base_url, args.model_name or cfg.model.base_model_id,
+                                  api_key=os.environ.get("SERVER_API_KEY"), max_images_in_context=cfg.model.max_images_in_context)
+            engine.check()
+            name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
+            out = Path(args.out) if args.out else volume.eval(args.run or "endpoint", name)
+            summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=engine.name,
+                                  adapter=engine.adapter, extra={"base_url": args.base_url})
+            finish(out, summary, not args.no_gifs, cfg.env.cell_px)
+            return
+        model_dir = Path(args.model) if args.model else volume.model(cfg.model.path)
+        adapter = args.adapter
+        if args.run and not adapter and not args.model:
+            exports = complete_exports(volume, args.run)
+            if not exports:
+                sys.exit(f"run {args.run} has no complete export under {volume.exports(args.run)}; train first (make train)")
+            step, adapter = exports[-1]
+            print(f"evaluating {args.run} export at step {step}")
+        adapter_dir = resolve_adapter(cfg, str(adapter) if adapter else None)
+        name = args.name or (f"eval_{Path(adapter_dir).parent.name if adapter_dir else model_dir.name}")
+        out = Path(args.out) if args.out else volume.eval(args.run or "adhoc", name)
+        eval_local(cfg, eval_set, model_dir, adapter_dir, out, gifs=not args.no_gifs)
+    except (ModelLoadError, ConnectionError, FileNotFoundError, ValueError) as exc:
+        sys.exit(f"error: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""python -m services.exporter: stage a run's LoRA exports in S3, where Ray Serve LLM loads them.
+
+    make export RUN=tiny-cpu                   # every complete export -> $S3_URI/adapters/<run>-step<N>/
+    python -m services.exporter --run RUN --alias maze-grpo --pick best|latest
+    python -m services.exporter --run RUN --watch      # export new steps as they appear
+    python -m services.exporter list                   # adapters in S3: id, run, step, solve rate, size, age
+    python -m services.exporter s3-up | s3-down        # the local S3-compatible endpoint (make s3-up/s3-down)
+
+With neither AWS_ENDPOINT_URL nor S3_URI set, a local S3-compatible server is started on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from shared.config import ConfigError, RunConfig, load_config
+
+COMMANDS = ("export", "list", "s3-up", "s3-down")
+
+
+def resolve_s3(cfg: RunConfig, log=print) -> RunConfig:
+    """Returns cfg with an S3 endpoint: S3_URI as configured, or a local one on loopback (started when needed)."""
+    if cfg.storage.s3_uri:
+        return cfg
+    from services.exporter import local_s3
+
+    if cfg.storage.aws_endpoint_url:
+        update = {"s3_uri": f"s3://{local_s3.DEFAULT_BUCKET}/local"}
+        local_s3.ensure_bucket(cfg.storage.aws_endpoint_url, local_s3.DEFAULT_BUCKET)
+    else:
+        state = local_s3.up(cfg.shared_path())
+        log(f"local S3 endpoint: {state['endpoint_url']} ({state['s3_uri']}); stop it with make s3-down")
+        update = {"s3_uri": state["s3_uri"], "aws_endpoint_url": state["endpoint_url"]}
+    return cfg.model_copy(update={"storage": cfg.storage.model_copy(update=update)})
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        print("no adapters")
+        return
+    print(f"{'adapter_id':<36} {'run':<16} {'step':>5} {'solve_rate':>10} {'size':>10} {'age':>8}")
+    for r in rows:
+        rate = f"{100 * r['solve_rate']:.1f}%" if r["solve_rate"] is not None else "-"
+        age = f"{r['age_s'] // 3600}h{r['age_s'] % 3600 // 60:02d}m" if r["age_s"] >= 3600 else f"{r['age_s'] // 60}m{r['age_s'] % 60:02d}s"
+        name = r["adapter_id"] + (f" -> {r['alias_of']}" if r.get("alias_of") else "")
+        print(f"{name:<36} {r['run'] or '-':<16} {r['step'] if r['step'] is not None else '-':>5} {rate:>10} {r['size']:>10} {age:>8}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.exporter", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", default="export", help="export (default), list, s3-up or s3-down")
+    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    parser.add_argument("--run", default=None, help="run id whose exports to stage (default: the profile's run_id)")
+    parser.add_argument("--alias", default=None, help="also publish the chosen step under this adapter id")
+    parser.add_argument("--pick", choices=["best", "latest"], default="best", help="which step the alias points at")
+    parser.add_argument("--watch", action="store_true", help="keep exporting new steps as they appear")
+    parser.add_argument("--poll", type=float, default=30.0, help="seconds between --watch passes")
+    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
+    args = parser.parse_args(argv)
+    if "=" in args.command:  # no command given: the first positional is a config override
+        args.overrides.insert(0, args.command)
+        args.command = "export"
+    if args.command not in COMMANDS:
+        parser.error(f"unknown command {args.command!r}: use one of {', '.join(COMMANDS)}")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        sys.exit(str(exc))
+
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from services.exporter import local_s3
+    from services.exporter.export import Exporter, adapter_table
+    from shared.adapters import AdapterStore
+
+    if args.command == "s3-up":
+        state = local_s3.up(cfg.shared_path())
+        print(f"local S3 endpoint up: AWS_ENDPOINT_URL={state['endpoint_url']} S3_URI={state['s3_uri']}")
+        return
+    if args.command == "s3-down":
+        print("local S3 endpoint stopped" if local_s3.down(cfg.shared_path()) else "no local S3 endpoint was running")
+        return
+    try:
+        cfg = resolve_s3(cfg)
+        store = AdapterStore.from_config(cfg)
+        if args.command == "list":
+            print_table(adapter_table(store))
+            return
+        run_id = args.run or cfg.run_id
+        exporter = Exporter(cfg, store)
+        while True:
+            results = exporter.export_run(run_id, args.alias, args.pick)
+            if not args.watch:
+                if not results:
+                    sys.exit(f"run {run_id} has no complete, valid export under {exporter.volume.exports(run_id)}")
+                return
+            time.sleep(args.poll)
+    except (BotoCoreError, ClientError) as exc:
+        sys.exit(f"error: S3 at {cfg.storage.aws_endpoint_url or 'AWS'} ({cfg.storage.s3_uri}) failed after retries: {exc}")
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Staging LoRA exports in S3 in Ray Serve LLM's layout: `<S3_URI>/adapters/<adapter_id>/`.
+
+For each complete export (`runs/<id>/exports/global_step_N/policy/` with a verified manifest) this
+validates the adapter, uploads what S3 does not already hold (checksums compared), and writes the
+adapter's manifest.json last. Readers trust only a manifest, so a crash mid-upload leaves nothing
+they would use, and the next run finishes the job.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from boto3.s3.transfer import TransferConfig
+
+from shared.adapters import ADAPTER_FILES, AdapterNotFound, AdapterStore
+from shared.storage import (
+    MANIFEST,
+    ManifestError,
+    SharedVolume,
+    check_adapter_id,
+    sha256_file,
+    step_dirs,
+    verify_manifest,
+)
+
+TRANSFER = TransferConfig(multipart_threshold=8 * 1024 * 1024, multipart_chunksize=8 * 1024 * 1024, max_concurrency=4)
+
+
+class InvalidAdapter(ValueError):
+    """An export that must not be served, with the reason."""
+
+
+@dataclass
+class ExportResult:
+    adapter_id: str
+    step: int
+    uploaded: list[str]
+    skipped: bool
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """Returns the JSON header of a safetensors file; InvalidAdapter if it is not one."""
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length <= 0 or length > 100 * 1024 * 1024:
+                raise ValueError(f"header length {length} is implausible")
+            header = json.loads(handle.read(length))
+    except (OSError, struct.error, ValueError) as exc:
+        raise InvalidAdapter(f"{path} is not a readable safetensors file ({exc})") from None
+    header.pop("__metadata__", None)
+    size = path.stat().st_size
+    for name, meta in header.items():
+        start, end = meta["data_offsets"]
+        if end > size - 8 - length or start > end:
+            raise InvalidAdapter(f"{path}: tensor {name} points past the end of the file (truncated?)")
+    return header
+
+
+def validate_adapter(folder: Path, base_model_id: str, max_lora_rank: int) -> dict:
+    """Returns the adapter config after checking it is a LoRA adapter for base_model_id within max rank."""
+    for name in ADAPTER_FILES:
+        if not (folder / name).is_file():
+            raise InvalidAdapter(f"{folder} lacks {name}")
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise InvalidAdapter(f"{folder}/adapter_config.json does not parse: {exc}") from None
+    if config.get("peft_type") != "LORA":
+        raise InvalidAdapter(f"{folder}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
+    if config.get("base_model_name_or_path") != base_model_id:
+        raise InvalidAdapter(
+            f"{folder}: adapter is for base model {config.get('base_model_name_or_path')!r}, but the run's base is {base_model_id!r}"
+        )
+    if int(config.get("r", 0)) > max_lora_rank:
+        raise InvalidAdapter(f"{folder}: LoRA rank {config.get('r')} exceeds the server's max_lora_rank {max_lora_rank}")
+    header = read_safetensors_header(folder / "adapter_model.safetensors")
+    if not header:
+        raise InvalidAdapter(f"{folder}/adapter_model.safetensors holds no tensors")
+    strays = [name for name in header if "lora_" not in name]
+    if strays:
+        raise InvalidAdapter(f"{folder}/adapter_model.safetensors has non-LoRA tensors, e.g. {strays[0]}")
+    return config
+
+
+class Exporter:
+    def __init__(self, cfg, store: AdapterStore, log=print):
+        self.cfg, self.store, self.log = cfg, store, log
+        self.volume = SharedVolume(cfg.shared_path())
+
+    def complete_exports(self, run_id: str) -> list[tuple[int, Path]]:
+        found = []
+        for step, folder in step_dirs(self.volume.exports(run_id)):
+            try:
+                verify_manifest(folder / "policy")
+                found.append((step, folder / "policy"))
+            except ManifestError as exc:
+                self.log(f"warning: skipping incomplete export {folder}: {exc}")
+        return found
+
+    def eval_summary(self, run_id: str, step: int) -> dict | None:
+        path = self.volume.eval(run_id, f"global_step_{step}") / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def _remote_sha(self, key: str) -> str | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.store.client.head_object(Bucket=self.store.bucket, Key=key)
+        except ClientError:
+            return None
+        return head.get("Metadata", {}).get("sha256")
+
+    def publish(self, adapter_id: str, folder: Path, meta: dict) -> ExportResult:
+        """Uploads folder's adapter files under adapter_id, manifest last; skips what already matches."""
+        check_adapter_id(adapter_id)
+        files = {name: {"sha256": sha256_file(folder / name), "size": (folder / name).stat().st_size} for name in ADAPTER_FILES}
+        try:
+            current = self.store.manifest(adapter_id)
+        except AdapterNotFound:
+            current = None
+        if current and current.get("files") == files:
+            return ExportResult(adapter_id, meta.get("step", -1), [], skipped=True)
+        if current:
+            # The id is being re-pointed (an alias): take the old manifest down first, so no reader can
+            # pair it with new files; readers see "not found" until the new manifest lands.
+            self.store.client.delete_object(Bucket=self.store.bucket, Key=self.store.key(adapter_id, MANIFEST))
+        uploaded = []
+        for name, info in files.items():
+            key = self.store.key(adapter_id, name)
+            if self._remote_sha(key) == info["sha256"]:
+                continue
+            self.store.client.upload_file(str(folder / name), self.store.bucket, key,
+                                          ExtraArgs={"Metadata": {"sha256": info["sha256"]}}, Config=TRANSFER)
+            uploaded.append(name)
+        manifest = {**meta, "adapter_id": adapter_id, "files": files,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.store.client.put_object(Bucket=self.store.bucket, Key=self.store.key(adapter_id, MANIFEST),
+                                     Body=json.dumps(manifest, indent=2).encode(), ContentType="application/json")
+        return ExportResult(adapter_id, meta.get("step", -1), uploaded, skipped=False)
+
+    def export_run(self, run_id: str, alias: str | None = None, pick: str = "best") -> list[ExportResult]:
+        """Exports every complete, valid step of a run; optionally re-points an alias. Returns what happened."""
+        results, exported = [], []
+        for step, folder in self.complete_exports(run_id):
+            try:
+                config = validate_adapter(folder, self.cfg.model.base_model_id, self.cfg.server.max_lora_rank)
+            except InvalidAdapter as exc:
+                self.log(f"error: rejected {folder}: {exc}")
+                continue
+            meta = {"run_id": run_id, "step": step, "base_model": config["base_model_name_or_path"],
+                    "rank": config.get("r"), "eval": self.eval_summary(run_id, step)}
+            result = self.publish(f"{run_id}-step{step}", folder, meta)
+            results.append(result)
+            exported.append((step, folder, meta))
+            state = "unchanged" if result.skipped else f"uploaded {', '.join(result.uploaded) or 'manifest only'}"
+            self.log(f"{result.adapter_id}: {state}")
+        if alias and exported:
+            step, folder, meta = self.choose(exported, pick)
+            result = self.publish(alias, folder, {**meta, "alias_of": f"{run_id}-step{step}"})
+            results.append(result)
+            self.log(f"{alias} -> {run_id}-step{step} ({pick}){' unchanged' if result.skipped else ''}")
+        return results
+
+    @staticmethod
+    def choose(exported: list, pick: str):
+        if pick == "latest":
+            return exported[-1]
+        scored = [e for e in exported if e[2].get("eval")]
+        if not scored:
+            return exported[-1]
+        # Best held-out solve rate; on a tie the later step wins.
+        return max(scored, key=lambda e: (e[2]["eval"]["solve_rate"], e[0]))
+
+
+def adapter_table(store: AdapterStore) -> list[dict]:
+    """Returns one row per complete adapter: id, run, step, eval solve rate, size, age."""
+    rows = []
+    now = time.time()
+    for adapter_id in store.list():
+        manifest = store.manifest(adapter_id)
+        created = time.mktime(time.strptime(manifest.get("created", "1970-01-01T00:00:00Z"), "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+        evaluation = manifest.get("eval") or {}
+        rows.append({
+            "adapter_id": adapter_id,
+            "run": manifest.get("run_id"),
+            "step": manifest.get("step"),
+            "solve_rate": evaluation.get("solve_rate"),
+            "size": sum(f["size"] for f in manifest["files"].values()),
+            "age_s": max(0, int(now - created)),
+            "alias_of": manifest.get("alias_of"),
+        })
+    return rows

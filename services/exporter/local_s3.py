@@ -1,0 +1,106 @@
+"""A local S3-compatible endpoint on loopback (moto in server mode), for when no AWS endpoint is given.
+
+`make s3-up` starts it in the background and records its URL in $SHARED_DIR/s3/endpoint.json;
+`make s3-down` stops it. moto keeps objects in memory: they last as long as the server runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+DEFAULT_BUCKET = "maze-grpo"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_up(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(f"S3 endpoint {url} did not come up within {timeout_s:.0f}s")
+
+
+def start_server(port: int | None = None, log_path: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts moto's S3 server on 127.0.0.1 and returns (process, endpoint URL) once it answers."""
+    port = port or free_port()
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=log, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(url)
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def ensure_bucket(endpoint_url: str, bucket: str) -> None:
+    from shared.storage import s3_client
+
+    client = s3_client(endpoint_url)
+    existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+    if bucket not in existing:
+        client.create_bucket(Bucket=bucket)
+
+
+def state_file(shared_dir: Path) -> Path:
+    return shared_dir / "s3" / "endpoint.json"
+
+
+def running_endpoint(shared_dir: Path) -> dict | None:
+    """Returns the recorded local endpoint if its process is alive and answering, else None."""
+    path = state_file(shared_dir)
+    if not path.exists():
+        return None
+    state = json.loads(path.read_text())
+    try:
+        os.kill(state["pid"], 0)
+        httpx.get(state["endpoint_url"], timeout=2.0)
+        return state
+    except (OSError, httpx.HTTPError):
+        return None
+
+
+def up(shared_dir: Path, bucket: str = DEFAULT_BUCKET) -> dict:
+    """Starts (or finds) the local endpoint with its bucket; returns {endpoint_url, s3_uri, pid}."""
+    state = running_endpoint(shared_dir)
+    if state is None:
+        path = state_file(shared_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        proc, url = start_server(log_path=path.parent / "moto.log")
+        state = {"endpoint_url": url, "s3_uri": f"s3://{bucket}/local", "pid": proc.pid}
+        path.write_text(json.dumps(state))
+    ensure_bucket(state["endpoint_url"], state["s3_uri"][5:].split("/")[0])
+    return state
+
+
+def down(shared_dir: Path) -> bool:
+    """Stops the local endpoint if it runs; returns whether one was stopped."""
+    path = state_file(shared_dir)
+    if not path.exists():
+        return False
+    state = json.loads(path.read_text())
+    path.unlink()
+    try:
+        os.killpg(state["pid"], signal.SIGTERM)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,335 @@
+"""GRPO on Ray, local backend: rollout -> reward -> advantage -> loss -> update -> sync, one step at a time.
+
+Rollout workers (Ray actors) hold the base model and the live LoRA; the learner (this process) holds the
+same base with a trainable LoRA. After each update the learner writes the adapter atomically to
+`runs/<id>/lora_sync/` and the workers load it before the next step, as the reference's engines do.
+Every artifact follows ../shared/DESIGN.md §4; kill it at any moment and it resumes from the last
+complete checkpoint, reproducing the uninterrupted run (rollout seeds depend only on seed and step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+from tqdm import tqdm
+
+from services.trainer.rollout import RolloutWorker, build_policy, load_adapter_weights
+from services.trainer.sft import ensure_sft, eval_set_of
+from shared.config import RunConfig, dump_config
+from shared.episodes import EpisodeSettings
+from shared.evaluation import describe, evaluate
+from shared.maze.dataset import TrainingTickets
+from shared.models.engine import LocalEngine, collate, token_logprobs
+from shared.storage import (
+    LATEST_STEP_FILE,
+    SharedVolume,
+    append_jsonl,
+    atomic_write_text,
+    latest_complete_step,
+    read_jsonl,
+    staged_dir,
+)
+
+# ---- the math ---------------------------------------------------------------------------------------
+
+
+def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Returns GRPO advantages for rewards [groups, n_samples]: reward minus its group's mean (/ std).
+
+    A group whose rewards are all equal has zero advantage: it carries no learning signal.
+    """
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if std_normalize:
+        centred = centred / (rewards.std(dim=1, keepdim=True, unbiased=True) + eps)
+    return centred
+
+
+def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  response_mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (summed loss over response tokens, clipped-token count) of the token-level PPO-clip objective.
+
+    logprobs, old_logprobs, response_mask: [B, L]; advantages: [B] (one per sample, spread over its tokens).
+    The caller divides by the number of response tokens (token_mean).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    was_clipped = ((unclipped != clipped) & (clipped < unclipped)).float() * response_mask
+    return (per_token * response_mask).sum(), was_clipped.sum()
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+
+
+def save_adapter(model, folder: Path) -> None:
+    """Writes SkyRL's export layout: adapter_model.safetensors + adapter_config.json."""
+    # save_embedding_layers=False: peft would otherwise look the base model up on a hub.
+    model.save_pretrained(str(folder), safe_serialization=True, save_embedding_layers=False)
+
+
+def save_checkpoint(volume: SharedVolume, run_id: str, step: int, model, optimizer, tickets: TrainingTickets) -> Path:
+    """Writes ckpts/global_step_N (adapter, optimizer, RNG, step, data cursor) atomically, then the pointer."""
+    final = volume.ckpt(run_id, step)
+    with staged_dir(final) as tmp:
+        save_adapter(model, tmp / "policy")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        state = {"step": step, "tickets": tickets.state(), "python_rng": repr(random.getstate())}
+        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state()}, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    atomic_write_text(volume.ckpts(run_id) / LATEST_STEP_FILE, f"{step}\n")
+    return final
+
+
+def load_checkpoint(folder: Path, model, optimizer, tickets: TrainingTickets) -> int:
+    """Restores adapter, optimizer, RNG and data cursor from a verified checkpoint; returns its step."""
+    load_adapter_weights(model, folder / "policy")
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+    rng = torch.load(folder / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    state = json.loads((folder / "trainer_state.json").read_text())
+    tickets.load_state(state["tickets"])
+    return int(state["step"])
+
+
+# ---- the loop ---------------------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, log=print):
+        self.cfg, self.log = cfg, log
+        self.volume = SharedVolume(cfg.shared_path())
+        self.run_dir = self.volume.run(cfg.run_id)
+
+    def run(self) -> dict:
+        cfg, volume, run_id = self.cfg, self.volume, self.cfg.run_id
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg))
+        base_dir = ensure_sft(cfg, log=self.log)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+
+        model, processor = build_policy(base_dir, cfg.lora, cfg.model.base_model_id, cfg.model.dtype, trainable=True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.algorithm.lr, weight_decay=cfg.algorithm.weight_decay)
+        eval_set = eval_set_of(cfg)
+        eval_set.save(volume.dataset(cfg.env.eval_env))
+        tickets = TrainingTickets(cfg.env.id, eval_set.content_hashes(), cfg.env.train_seed_start)
+
+        step = 0
+        if cfg.schedule.resume_mode == "latest":
+            found = latest_complete_step(volume.ckpts(run_id), warn=lambda m: self.log(f"warning: {m}"))
+            if found:
+                step = load_checkpoint(found[1], model, optimizer, tickets)
+                self.log(f"resuming {run_id} from {found[1]} (step {step})")
+        self._truncate_metrics(step)
+
+        self._start_ray()
+        workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir)) for _ in range(cfg.rollout.num_workers)]
+        engine = LocalEngine(model, processor, cfg.model.max_images_in_context, name=cfg.model.base_model_id, adapter=run_id)
+        eval_settings = EpisodeSettings.from_config(cfg)
+        history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
+
+        def run_eval(at_step: int) -> dict:
+            out = volume.eval(run_id, f"global_step_{at_step}")
+            if (out / "summary.json").exists():
+                return json.loads((out / "summary.json").read_text())
+            model.eval()
+            summary, _ = evaluate(engine, eval_set, eval_settings, out, model=cfg.model.base_model_id,
+                                  adapter=f"{run_id}@global_step_{at_step}", extra={"step": at_step})
+            append_jsonl(self.run_dir / "evals" / "history.jsonl", {"step": at_step, **summary})
+            history[at_step] = summary
+            self.log(f"eval @ step {at_step}: " + describe(summary))
+            return summary
+
+        if cfg.schedule.eval_before_train and step == 0:
+            run_eval(0)
+        self._sync(model, workers, step)
+
+        bar = tqdm(total=cfg.schedule.total_steps, initial=step, desc=f"grpo {run_id}", unit="step")
+        while step < cfg.schedule.total_steps:
+            step += 1
+            metrics = self.train_step(step, model, optimizer, processor, params, workers, tickets)
+            sync_started = time.perf_counter()
+            self._sync(model, workers, step)
+            metrics["timing/sync_s"] = round(time.perf_counter() - sync_started, 3)
+
+            sched = cfg.schedule
+            final = step == sched.total_steps
+            if (sched.eval_interval and step % sched.eval_interval == 0) or final:
+                metrics["eval/solve_rate"] = run_eval(step)["solve_rate"]
+            if step % sched.hf_save_interval == 0 or final:
+                with staged_dir(volume.export(run_id, step)) as tmp:
+                    save_adapter(model, tmp)
+            if step % sched.ckpt_interval == 0 or final:
+                save_checkpoint(volume, run_id, step, model, optimizer, tickets)
+            append_jsonl(volume.metrics(run_id), metrics)
+            last_eval = history[max(history)]["solve_rate"] if history else float("nan")
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", solve=f"{metrics['train/solve_rate']:.2f}",
+                            eval=f"{last_eval:.2f}")
+            bar.update(1)
+        bar.close()
+        return self._finish(history)
+
+    def train_step(self, step, model, optimizer, processor, params, workers, tickets) -> dict:
+        cfg, algo = self.cfg, self.cfg.algorithm
+        n = cfg.rollout.n_samples_per_prompt
+
+        # 1. rollout: each worker plays its share of mazes, n samples each, batched across episodes
+        started = time.perf_counter()
+        mazes = tickets.take(cfg.rollout.train_batch_size)
+        shares = [mazes[i :: len(workers)] for i in range(len(workers))]
+        futures = [w.rollout.remote([(m.env_id, m.seed) for m in share], n, cfg.seed * 100_003 + step * 101 + i)
+                   for i, (w, share) in enumerate(zip(workers, shares)) if share]
+        episodes = [e for result in ray.get(futures) for e in result]
+        rollout_s = time.perf_counter() - started
+
+        # 2. reward -> 3. advantage: normalised within each maze's group of n samples
+        rewards = torch.tensor([e["reward"] for e in episodes], dtype=torch.float32).view(-1, n)  # [groups, n]
+        advantages = group_advantages(rewards, algo.std_normalize).view(-1)
+        samples = []
+        for episode, advantage in zip(episodes, advantages.tolist()):
+            for sample in episode["samples"]:
+                sample.advantage = advantage
+                samples.append(sample)
+        # Zero-advantage samples give zero policy gradient (no KL term by default): skip their compute.
+        active = [s for s in samples if s.advantage != 0.0] if not algo.use_kl_loss else samples
+
+        # 4. loss -> 5. update: token-level PPO-clip over assistant tokens, token_mean, one optimizer step
+        started = time.perf_counter()
+        model.train()
+        total_tokens = sum(sum(s.response_mask) for s in active)
+        loss_sum = clipped = entropy_sum = 0.0
+        grad_norm = 0.0
+        for _ in range(algo.update_epochs):
+            optimizer.zero_grad()
+            for i in range(0, len(active), algo.micro_batch_size):
+                batch = collate(processor, active[i : i + algo.micro_batch_size])
+                logprobs, entropy = token_logprobs(model, batch, cfg.rollout.temperature)
+                mask = batch["response_mask"]
+                loss, n_clipped = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                                algo.eps_clip_low, algo.eps_clip_high)
+                if algo.use_kl_loss:
+                    with torch.no_grad(), model.disable_adapter():
+                        ref_logprobs, _ = token_logprobs(model, batch, cfg.rollout.temperature)
+                    log_ratio = ref_logprobs - logprobs
+                    kl = (torch.exp(log_ratio) - log_ratio - 1) * mask  # k3 estimator
+                    loss = loss + algo.kl_loss_coef * kl.sum()
+                (loss / max(total_tokens, 1)).backward()
+                loss_sum += loss.item()
+                clipped += n_clipped.item()
+                entropy_sum += (entropy * mask).sum().item()
+            if active:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, algo.max_grad_norm).item()
+                optimizer.step()
+        model.eval()
+        train_s = time.perf_counter() - started
+
+        all_tokens = sum(len(s.input_ids) for s in samples)
+        return {
+            "step": step,
+            "reward/mean": rewards.mean().item(),
+            "train/solve_rate": float(np.mean([e["solved"] for e in episodes])),
+            "train/format_rate": float(np.mean([e["format_rate"] for e in episodes])),
+            "train/parse_failures": int(sum(e["parse_failures"] for e in episodes)),
+            "train/mean_turns": float(np.mean([e["turns"] for e in episodes])),
+            "train/groups_with_signal": int((rewards.std(dim=1) > 0).sum().item()),
+            "train/samples": len(samples),
+            "train/active_samples": len(active),
+            "policy/entropy": entropy_sum / max(total_tokens, 1),
+            "policy/clip_fraction": clipped / max(total_tokens * algo.update_epochs, 1),
+            "policy/loss": loss_sum / max(total_tokens * algo.update_epochs, 1),
+            "policy/grad_norm": grad_norm,
+            "timing/rollout_s": round(rollout_s, 3),
+            "timing/train_s": round(train_s, 3),
+            "throughput/rollout_tokens_per_s": round(all_tokens / max(rollout_s, 1e-9), 1),
+            "throughput/train_tokens_per_s": round(sum(len(s.input_ids) for s in active) / max(train_s, 1e-9), 1),
+            "data/cursor": tickets.cursor,
+        }
+
+    # ---- plumbing -----------------------------------------------------------------------------------
+
+    def _start_ray(self) -> None:
+        """Joins RAY_ADDRESS's cluster, or starts an in-process Ray with metrics export on (make monitor scrapes it)."""
+        if ray.is_initialized():
+            return
+        address = self.cfg.cluster.ray_address
+        if address and address.startswith(("http://", "https://", "sagemaker_ray://")):
+            raise SystemExit(
+                f"RAY_ADDRESS={address} is a job-submission address: use `make submit` (python -m services.trainer "
+                "submit) to run on that cluster; inside the submitted job Ray sets RAY_ADDRESS to the cluster itself"
+            )
+        quiet = dict(log_to_driver=False, configure_logging=False)
+        if address:
+            ray.init(address=address, **quiet)
+        else:
+            port = int(os.environ.get("RAY_METRICS_EXPORT_PORT", "0")) or None
+            ray.init(include_dashboard=False, _metrics_export_port=port, **quiet)
+
+    def _sync(self, model, workers, step: int) -> None:
+        """Writes the adapter to lora_sync/ atomically and has every worker load it."""
+        sync_dir = self.volume.lora_sync(self.cfg.run_id)
+        with staged_dir(sync_dir) as tmp:
+            save_adapter(model, tmp)
+            (tmp / "step.txt").write_text(f"{step}\n")
+        ray.get([w.sync.remote(str(sync_dir), step) for w in workers])
+
+    def _truncate_metrics(self, step: int) -> None:
+        """On resume, drops metric lines past the checkpoint so the file matches an uninterrupted run."""
+        path = self.volume.metrics(self.cfg.run_id)
+        records = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
+        atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+        hist = self.run_dir / "evals" / "history.jsonl"
+        kept = [r for r in read_jsonl(hist) if int(r.get("step", 0)) <= step]
+        atomic_write_text(hist, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+
+    def _finish(self, history: dict) -> dict:
+        steps = sorted(history)
+        if steps:
+            plot_solve_rate(self.run_dir / "solve_rate_vs_step.png", steps, [history[s]["solve_rate"] for s in steps],
+                            history[steps[0]]["oracle_solved"] / history[steps[0]]["total"], self.cfg.run_id)
+        rows = [f"{'step':>6} {'solved':>8} {'solve_rate':>10} {'ceiling':>8}"]
+        for s in steps:
+            h = history[s]
+            rows.append(f"{s:>6} {h['solved']:>5}/{h['total']:<2} {100 * h['solve_rate']:>9.1f}% {h['oracle_solved']:>5}/{h['total']}")
+        self.log("\n".join(rows))
+        first, last = (history[steps[0]], history[steps[-1]]) if steps else ({}, {})
+        result = {"run_id": self.cfg.run_id, "first_eval": first.get("solve_rate"), "final_eval": last.get("solve_rate"),
+                  "steps": steps[-1] if steps else 0}
+        if steps:
+            self.log(f"held-out solve rate: {100 * first['solve_rate']:.1f}% (step {steps[0]}) -> "
+                     f"{100 * last['solve_rate']:.1f}% (step {steps[-1]}); oracle ceiling {last['oracle_solved']}/{last['total']}")
+        return result
+
+
+def plot_solve_rate(path: Path, steps: list[int], rates: list[float], ceiling: float, title: str) -> None:
+    """Writes the held-out solve rate per step, with the oracle ceiling, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(steps, [100 * r for r in rates], marker="o", label="held-out solve rate")
+    ax.axhline(100 * ceiling, color="grey", linestyle="--", label=f"oracle ceiling ({100 * ceiling:.1f}%)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("solved (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)

@@ -1,0 +1,95 @@
+"""Rollout workers: Ray actors that hold the base model plus the live LoRA adapter and play mazes.
+
+A worker loads the adapter the learner last wrote to `runs/<id>/lora_sync/` before each step (the
+reference's weight sync through the shared volume), then plays all of its episodes as one batch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+
+
+def build_policy(base_dir: str | Path, lora_cfg, base_model_id: str, dtype: str = "float32", trainable: bool = False):
+    """Returns (peft model, processor): the base checkpoint with a fresh LoRA of the configured shape."""
+    from peft import LoraConfig, get_peft_model
+
+    from shared.models.engine import load_model, lora_target_regex
+
+    model, processor = load_model(base_dir, dtype)
+    config = LoraConfig(
+        r=lora_cfg.rank,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=lora_target_regex(lora_cfg.target_modules, lora_cfg.language_model_only),
+        init_lora_weights=True,
+    )
+    model = get_peft_model(model, config)
+    model.peft_config["default"].base_model_name_or_path = base_model_id
+    if not trainable:
+        model.eval()
+    return model, processor
+
+
+def load_adapter_weights(model, adapter_dir: str | Path) -> None:
+    """Loads adapter_model.safetensors from adapter_dir into a peft model in place."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, state)
+    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora" in k]
+    if missing:
+        raise RuntimeError(f"adapter at {adapter_dir} does not fit the policy: unexpected keys {missing[:3]}")
+
+
+@ray.remote
+class RolloutWorker:
+    """Plays episodes with the base model + the current adapter; returns scored episodes and samples."""
+
+    def __init__(self, cfg_dict: dict, base_dir: str, threads: int | None = None):
+        import torch
+
+        from shared.config import RunConfig
+        from shared.models.engine import LocalEngine
+
+        torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
+        self.cfg = RunConfig.model_validate(cfg_dict)
+        model, processor = build_policy(base_dir, self.cfg.lora, self.cfg.model.base_model_id, self.cfg.model.dtype)
+        self.engine = LocalEngine(model, processor, self.cfg.model.max_images_in_context, name=self.cfg.model.base_model_id)
+        self.adapter_step = -1
+
+    def sync(self, adapter_dir: str, step: int) -> int:
+        """Loads the adapter written for `step` (no-op if already loaded); returns the loaded step."""
+        if step != self.adapter_step:
+            load_adapter_weights(self.engine.model, adapter_dir)
+            self.adapter_step = step
+        return self.adapter_step
+
+    def rollout(self, seeds_env: list[tuple[str, int]], n_samples: int, seed: int) -> list[dict]:
+        """Plays each maze n_samples times (sampling); returns per-episode results with training samples."""
+        from shared.episodes import EpisodeSettings, run_episodes
+        from shared.maze.core import generate
+        from shared.models.engine import encode_turn
+
+        settings = EpisodeSettings.from_config(self.cfg, temperature=self.cfg.rollout.temperature)
+        mazes = [generate(env_id, s) for env_id, s in seeds_env for _ in range(n_samples)]
+        episodes = run_episodes(self.engine, mazes, settings, keep_samples=True, seed=seed, batched=self.cfg.rollout.batched)
+        results = []
+        for index, episode in enumerate(episodes):
+            samples = [encode_turn(self.engine, messages, completion) for messages, completion in episode.samples]
+            results.append(
+                {
+                    "group": index // n_samples,
+                    "seed": episode.maze.seed,
+                    "reward": episode.reward(self.cfg.env.reward),
+                    "solved": episode.solved,
+                    "turns": len(episode.turns),
+                    "parse_failures": episode.parse_failures,
+                    "format_rate": episode.format_rate(),
+                    "samples": samples,
+                }
+            )
+        return results

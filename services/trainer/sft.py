@@ -1,0 +1,170 @@
+"""Supervised warm-start: teach the tiny Qwen3-VL the task format and partial competence from solver play.
+
+    python -m services.trainer.sft --config configs/tiny-cpu.yaml     (what `make sft` runs)
+
+Trajectories are formatted exactly as RL rollouts are (multi-turn, one image per turn, the same
+memory guard), one training sample per turn. Training mazes never include an eval maze (by content).
+At the end the 64 held-out mazes are played greedily and `eval/summary.json` lands in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from shared.config import ConfigError, RunConfig, load_config
+from shared.episodes import EpisodeSettings
+from shared.evaluation import describe, evaluate
+from shared.maze.core import FEEDBACK_OK, FEEDBACK_WALL, Maze, MazeEpisode, solve
+from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
+from shared.maze.prompt import feedback_text, solver_reply, task_prompt
+from shared.maze.render import render_rgb
+from shared.models.chat import assistant_turn, user_turn
+from shared.models.engine import LocalEngine, TrainingSample, collate, encode_conversation, load_model, token_logprobs
+from shared.models.tiny import ensure_tiny_model
+from shared.storage import SharedVolume, is_complete, staged_dir
+
+
+def eval_set_of(cfg: RunConfig) -> EvalSet:
+    return EvalSet(cfg.env.eval_env, parse_seeds(cfg.env.eval_seeds), cfg.env.max_turns)
+
+
+def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
+    """Returns the conversation of a perfect agent on `maze`, exactly as a rollout would record it."""
+    from PIL import Image
+
+    env = cfg.env
+    episode = MazeEpisode(maze, env.max_turns)
+    image = Image.fromarray(render_rgb(maze, env.cell_px))
+    messages = [user_turn(task_prompt(maze, env.response_format, env.action_style), image)]
+    actions = [("move", d) for d in solve(maze)] + [("stop", "stop")]
+    for action in actions:
+        if episode.done:
+            break
+        view = episode.view()
+        messages.append(assistant_turn(solver_reply(view, action, env.response_format, env.action_style)))
+        _, feedback = episode.step(action)
+        if not episode.done:
+            image = Image.fromarray(render_rgb(episode.view(), env.cell_px))
+            messages.append(user_turn(feedback_text(feedback), image))
+    assert feedback in (FEEDBACK_OK, FEEDBACK_WALL)
+    return messages
+
+
+def turn_samples(processor, messages: list[dict], max_images: int, keep: float, rng: random.Random) -> list[TrainingSample]:
+    """Returns one sample per assistant turn: its own context (memory guard applied), loss on that turn only."""
+    samples = []
+    for end in range(2, len(messages) + 1, 2):
+        if keep < 1.0 and rng.random() > keep:
+            continue
+        sample = encode_conversation(processor, messages[:end], max_images)
+        last = max(i for i, m in enumerate(sample.response_mask) if m)
+        start = last
+        while start > 0 and sample.response_mask[start - 1]:
+            start -= 1
+        sample.response_mask = [1 if start <= i <= last else 0 for i in range(len(sample.response_mask))]
+        samples.append(sample)
+    return samples
+
+
+def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
+    """Trains (or finds) the SFT warm-start under models/<model.path>; returns its folder."""
+    volume = SharedVolume(cfg.shared_path())
+    out_dir = volume.model(cfg.model.path)
+    if is_complete(out_dir) and not force:
+        log(f"sft: {out_dir} is complete, skipping (use --force to retrain)")
+        return out_dir
+    base_dir = ensure_tiny_model(cfg, log=log)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    model, processor = load_model(base_dir, cfg.model.dtype)
+    eval_set = eval_set_of(cfg)
+    eval_set.save(volume.dataset(cfg.env.eval_env))
+    tickets = TrainingTickets(cfg.env.id, eval_set.content_hashes(), cfg.env.train_seed_start)
+    sft = cfg.sft
+
+    started = time.perf_counter()
+    samples: list[TrainingSample] = []
+    for maze in tqdm(tickets.take(sft.num_mazes), desc="sft data", unit="maze", leave=False):
+        samples.extend(turn_samples(processor, expert_conversation(maze, cfg), cfg.model.max_images_in_context,
+                                    sft.train_fraction_of_turns, rng))
+    log(f"sft: {len(samples)} turn samples from {sft.num_mazes} mazes "
+        f"({tickets.rejected} candidates rejected as eval mazes) in {time.perf_counter() - started:.0f}s")
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.01)
+    total_batches = sft.epochs * ((len(samples) + sft.batch_size - 1) // sft.batch_size)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=sft.lr, total_steps=total_batches, pct_start=0.05)
+    deadline = time.perf_counter() + sft.max_minutes * 60
+    bar = tqdm(total=total_batches, desc="sft", unit="batch")
+    done_batches, stopped_early, accuracy = 0, False, 0.0
+    for _ in range(sft.epochs):
+        rng.shuffle(samples)
+        for i in range(0, len(samples), sft.batch_size):
+            batch = collate(processor, samples[i : i + sft.batch_size])
+            logp, _ = token_logprobs(model, batch)
+            mask = batch["response_mask"]
+            loss = -(logp * mask).sum() / mask.sum()
+            # A turn counts as right when every reply token was the model's most likely one (p > 0.5 suffices).
+            turn_ok = ((logp > -0.693) | (mask == 0)).all(dim=1).float().mean().item()
+            accuracy = turn_ok if done_batches == 0 else 0.95 * accuracy + 0.05 * turn_ok
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            done_batches += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", turn_acc=f"{accuracy:.2f}")
+            if time.perf_counter() > deadline:
+                stopped_early = True
+                break
+        if stopped_early:
+            break
+    bar.close()
+    train_s = time.perf_counter() - started
+    if stopped_early:
+        log(f"sft: stopped at the {sft.max_minutes:g}-minute budget after {done_batches}/{total_batches} batches")
+    model.eval()
+
+    with staged_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        engine = LocalEngine(model, processor, cfg.model.max_images_in_context, name=cfg.model.path)
+        summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), tmp / "eval",
+                              model=cfg.model.path, adapter=None,
+                              extra={"sft_batches": done_batches, "sft_train_s": round(train_s, 1)})
+    log("sft eval: " + describe(summary))
+    return out_dir
+
+
+def ensure_sft(cfg: RunConfig, log=print) -> Path:
+    """Returns the policy's base checkpoint, building tiny model + SFT first when the profile says so."""
+    out_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
+    if is_complete(out_dir) or cfg.model.bootstrap == "none":
+        return out_dir
+    return run_sft(cfg, log=log)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.trainer.sft", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    parser.add_argument("--force", action="store_true", help="retrain even if a complete checkpoint exists")
+    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        sys.exit(str(exc))
+    run_sft(cfg, force=args.force)
+
+
+if __name__ == "__main__":
+    main()

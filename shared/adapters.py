@@ -1,0 +1,93 @@
+"""LoRA adapters in S3 (`$S3_URI/adapters/<adapter_id>/`), the layout Ray Serve LLM's
+`dynamic_lora_loading_path` reads. Readers trust an adapter only once its manifest.json is there and
+every file matches it; fetched adapters are cached locally, verified, and named by adapter id.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from shared.storage import MANIFEST, check_adapter_id, s3_client, split_s3_uri, verify_manifest
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class AdapterNotFound(LookupError):
+    """No complete adapter with that id in S3."""
+
+
+class AdapterStore:
+    """Read access to `<s3_uri>/adapters/`: list ids, read manifests, fetch into a local cache."""
+
+    def __init__(self, s3_uri: str, endpoint_url: str | None = None, cache_dir: str | Path | None = None, client=None):
+        self.bucket, prefix = split_s3_uri(s3_uri)
+        self.prefix = f"{prefix}/adapters".lstrip("/")
+        self.client = client or s3_client(endpoint_url)
+        self.cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "maze-grpo-adapters")
+
+    @classmethod
+    def from_config(cls, cfg, cache_dir=None) -> AdapterStore:
+        if not cfg.storage.s3_uri:
+            raise ValueError("no S3_URI set: adapters in S3 need S3_URI (and AWS_ENDPOINT_URL for a local endpoint)")
+        cache = cache_dir or cfg.shared_path() / "cache" / "adapters"
+        return cls(cfg.storage.s3_uri, cfg.storage.aws_endpoint_url, cache)
+
+    def key(self, adapter_id: str, name: str) -> str:
+        return f"{self.prefix}/{check_adapter_id(adapter_id)}/{name}"
+
+    def manifest(self, adapter_id: str) -> dict:
+        """Returns an adapter's manifest; AdapterNotFound when it has none (absent or half-written)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key(adapter_id, MANIFEST))["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NoSuchBucket"):
+                raise AdapterNotFound(f"adapter {adapter_id!r} not found in s3://{self.bucket}/{self.prefix}/") from None
+            raise
+        return json.loads(body)
+
+    def list(self) -> list[str]:
+        """Returns the ids of adapters that have a manifest (complete ones)."""
+        ids = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{self.prefix}/", Delimiter="/"):
+            for common in page.get("CommonPrefixes", []):
+                adapter_id = common["Prefix"][len(self.prefix) + 1 :].strip("/")
+                try:
+                    self.client.head_object(Bucket=self.bucket, Key=self.key(adapter_id, MANIFEST))
+                    ids.append(adapter_id)
+                except Exception:
+                    continue
+        return sorted(ids)
+
+    def fetch(self, adapter_id: str) -> Path:
+        """Returns a local folder holding the adapter, downloaded and verified against its manifest."""
+        manifest = self.manifest(adapter_id)
+        local = self.cache_dir / adapter_id
+        try:
+            cached = json.loads((local / MANIFEST).read_text())
+            if cached.get("files") == manifest.get("files"):
+                verify_manifest(local)
+                return local
+        except Exception:
+            pass
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{adapter_id}-", dir=self.cache_dir))
+        try:
+            for name in manifest["files"]:
+                target = tmp / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.client.download_file(self.bucket, self.key(adapter_id, name), str(target))
+            (tmp / MANIFEST).write_text(json.dumps(manifest))
+            verify_manifest(tmp)
+            if local.exists():
+                shutil.rmtree(local)
+            tmp.replace(local)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return local

@@ -1,0 +1,241 @@
+"""One run config for every service and both scales: a pydantic schema, YAML profiles, env and CLI overrides.
+
+    cfg = load_config("configs/tiny-cpu.yaml", ["rollout.temperature=0.5"])
+
+A bad key or value raises `ConfigError` whose message is one line naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny-cpu.yaml"
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased for the person who wrote the config."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field("tiny-qwen3vl-sft", description="the policy's base checkpoint: a folder under $SHARED_DIR/models/ or an absolute path")
+    base_model_id: str = Field("tiny-qwen3vl-sft", description="id clients use for the base model (no ':')")
+    bootstrap: Literal["tiny-sft", "none"] = Field("tiny-sft", description="tiny-sft: build the tiny model and SFT it into `path` when missing")
+    tiny_name: str = Field("tiny-qwen3vl", description="where the untrained tiny model is built")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_images_in_context: int = Field(1, ge=1, description="memory guard: older turns keep only their text")
+
+    @field_validator("base_model_id")
+    @classmethod
+    def _no_colon(cls, value: str) -> str:
+        if ":" in value:
+            raise ValueError("must not contain ':' (clients address adapters as '<base>:<adapter>')")
+        return value
+
+
+class EnvConfig(Section):
+    id: str = "maze_2d/easy"
+    max_turns: int = Field(15, ge=1, le=200)
+    cell_px: int = Field(32, ge=4, le=128)
+    reward: Literal["task", "task_format"] = "task"
+    response_format: Literal["plain", "tagged"] = Field("plain", description="tagged = <observation>/<justification>/<action>")
+    action_style: Literal["tuple", "keyword"] = "tuple"
+    eval_env: str = "maze_2d/easy"
+    eval_seeds: str = Field("0-63", pattern=r"^\d+-\d+$")
+    train_seed_start: int = Field(1_000_000, ge=0)
+
+    @field_validator("id", "eval_env")
+    @classmethod
+    def _known_env(cls, value: str) -> str:
+        from shared.maze.core import env_size
+
+        env_size(value)
+        return value
+
+
+class AlgorithmConfig(Section):
+    name: Literal["grpo"] = "grpo"
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    eps_clip_low: float = Field(0.2, gt=0)
+    eps_clip_high: float = Field(0.2, gt=0)
+    std_normalize: bool = True
+    loss_reduction: Literal["token_mean", "sequence_mean"] = "token_mean"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    update_epochs: int = Field(1, ge=1)
+    micro_batch_size: int = Field(16, ge=1)
+
+
+class RolloutConfig(Section):
+    train_batch_size: int = Field(8, ge=1, description="maze prompts per step")
+    n_samples_per_prompt: int = Field(8, ge=1)
+    temperature: float = Field(0.7, ge=0)
+    eval_temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    max_new_tokens: int = Field(24, ge=1)
+    num_workers: int = Field(1, ge=1, description="Ray rollout actors")
+    batched: bool = Field(True, description="generate for all live episodes of a worker at once")
+
+
+class ScheduleConfig(Section):
+    total_steps: int = Field(40, ge=0)
+    eval_interval: int = Field(10, ge=0, description="0 = only before and after training")
+    eval_before_train: bool = True
+    ckpt_interval: int = Field(20, ge=1)
+    hf_save_interval: int = Field(20, ge=1)
+    resume_mode: Literal["latest", "none"] = "latest"
+
+
+class LoraConfig(Section):
+    rank: int = Field(32, ge=1)
+    alpha: int = Field(64, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    language_model_only: bool = Field(True, description="vLLM applies LoRA to the language model only")
+
+
+class SftConfig(Section):
+    num_mazes: int = Field(3000, ge=1)
+    epochs: int = Field(1, ge=1)
+    lr: float = Field(2e-3, gt=0)
+    batch_size: int = Field(32, ge=1)
+    max_minutes: float = Field(8.0, gt=0, description="stop early (and say so) past this budget")
+    train_fraction_of_turns: float = Field(1.0, gt=0, le=1)
+
+
+class StorageConfig(Section):
+    shared_dir: str = Field(".shared", description="SHARED_DIR: the shared volume (/shared in containers)")
+    s3_uri: str | None = Field(None, description="S3_URI, e.g. s3://bucket/prefix")
+    aws_endpoint_url: str | None = Field(None, description="AWS_ENDPOINT_URL for S3-compatible servers")
+
+
+class ClusterConfig(Section):
+    ray_address: str | None = Field(None, description="RAY_ADDRESS: http://head:8265 or sagemaker_ray://cluster/ns")
+    hyperpod_cluster: str | None = None
+    region: str | None = None
+    head_instance_type: str = "ml.r5d.16xlarge"
+    worker_instance_type: str = "ml.g7e.12xlarge"
+    num_workers: int = Field(3, ge=0)
+    gpus_per_worker: int = Field(2, ge=0)
+    num_engines: int = Field(6, ge=1)
+    colocate_all: bool = True
+    gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    image: str | None = None
+
+
+class ServerConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    max_num_adapters_per_replica: int = Field(4, ge=1)
+    max_lora_rank: int = Field(32, ge=1)
+    max_loras: int = Field(4, ge=1)
+    max_image_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    max_images_per_request: int = Field(16, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    num_replicas: int = Field(1, ge=1)
+
+
+class RunConfig(Section):
+    run_id: str = Field("tiny-cpu", pattern=r"^[A-Za-z0-9._-]+$")
+    seed: int = 0
+    backend: Literal["local", "skyrl"] = "local"
+    model: ModelConfig = ModelConfig()
+    env: EnvConfig = EnvConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    lora: LoraConfig = LoraConfig()
+    sft: SftConfig = SftConfig()
+    storage: StorageConfig = StorageConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    server: ServerConfig = ServerConfig()
+
+    def shared_path(self) -> Path:
+        """Returns the shared volume as an absolute path (relative paths are taken from the repo root)."""
+        path = Path(self.storage.shared_dir)
+        return path if path.is_absolute() else REPO_ROOT / path
+
+
+ENV_OVERRIDES = {
+    "SHARED_DIR": "storage.shared_dir",
+    "S3_URI": "storage.s3_uri",
+    "AWS_ENDPOINT_URL": "storage.aws_endpoint_url",
+    "RAY_ADDRESS": "cluster.ray_address",
+}
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key {dotted}: {key} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(error: dict) -> str:
+    key = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        section = RunConfig
+        for part in error["loc"][:-1]:
+            field = section.model_fields.get(str(part))
+            section = field.annotation if field is not None else section
+        allowed = ", ".join(sorted(section.model_fields)) if isinstance(section, type) else "see configs/"
+        return f"config error: unknown key {key!r}; allowed keys here: {allowed}"
+    value = error.get("input")
+    return f"config error: {key} = {value!r} is invalid: {error['msg']}"
+
+
+def parse_config(tree: dict) -> RunConfig:
+    """Returns a validated RunConfig from a plain dict; ConfigError names the first bad key."""
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc.errors()[0])) from None
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, environ: dict | None = None
+) -> RunConfig:
+    """Returns the run config: YAML profile, then environment variables, then `key.path=value` overrides."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.exists():
+        raise ConfigError(f"config error: no config file at {path}; profiles live in configs/ (e.g. configs/tiny-cpu.yaml)")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config error: {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config error: {path} must hold a mapping of sections, got {type(tree).__name__}")
+    environ = os.environ if environ is None else environ
+    for variable, dotted in ENV_OVERRIDES.items():
+        if environ.get(variable):
+            _set_path(tree, dotted, environ[variable])
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"config error: override {item!r} is not key.path=value (e.g. rollout.temperature=0.5)")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_path(tree, key.strip(), value)
+    return parse_config(tree)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """Returns the resolved config as YAML (what `runs/<id>/run.yaml` holds)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

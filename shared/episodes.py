@@ -1,0 +1,140 @@
+"""The one episode runner: plays many mazes at once against any engine, turn by turn.
+
+Every evaluation (SFT warm-start, trainer, evaluator service, server client) and every GRPO rollout
+goes through `run_episodes`. Each turn, all live episodes are sent to the engine as one batch.
+An engine is anything with `generate(conversations, temperature, max_new_tokens, seed) -> [Completion]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from shared.maze.actions import episode_reward, parse_action, turn_is_well_formatted
+from shared.maze.core import FEEDBACK_INVALID, Maze, MazeEpisode, optimal_action_count
+from shared.maze.prompt import feedback_text, task_prompt
+from shared.maze.render import render_rgb
+from shared.models.chat import assistant_turn, user_turn
+
+
+@dataclass
+class EpisodeSettings:
+    max_turns: int = 15
+    cell_px: int = 32
+    reward: str = "task"
+    response_format: str = "plain"
+    action_style: str = "tuple"
+    temperature: float = 0.0
+    max_new_tokens: int = 24
+
+    @classmethod
+    def from_config(cls, cfg, temperature: float | None = None) -> EpisodeSettings:
+        return cls(
+            max_turns=cfg.env.max_turns,
+            cell_px=cfg.env.cell_px,
+            reward=cfg.env.reward,
+            response_format=cfg.env.response_format,
+            action_style=cfg.env.action_style,
+            temperature=cfg.rollout.eval_temperature if temperature is None else temperature,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+        )
+
+
+@dataclass
+class Episode:
+    """One played maze: the turns as the model saw and wrote them, and how it ended."""
+
+    maze: Maze
+    episode: MazeEpisode
+    messages: list[dict]
+    turns: list[dict] = field(default_factory=list)  # model text, parsed action, feedback, position
+    samples: list = field(default_factory=list)  # (context messages, Completion) per turn, for training
+    error: str | None = None  # set when the engine failed for this maze (scored as failed)
+
+    @property
+    def solved(self) -> bool:
+        return self.episode.solved
+
+    @property
+    def parse_failures(self) -> int:
+        return sum(turn["action"] is None for turn in self.turns)
+
+    def reward(self, mode: str) -> float:
+        return episode_reward(self.solved, [t["text"] for t in self.turns], mode)
+
+    def format_rate(self) -> float:
+        return sum(turn_is_well_formatted(t["text"]) for t in self.turns) / max(len(self.turns), 1)
+
+    def record(self) -> dict:
+        """Returns the JSON line `episodes.jsonl` holds for this episode."""
+        return {
+            "seed": self.maze.seed,
+            "env": self.maze.env_id,
+            "solved": self.solved,
+            "turns": len(self.turns),
+            "optimal_actions": optimal_action_count(self.maze),
+            "parse_failures": self.parse_failures,
+            "error": self.error,
+            "trace": [list(p) for p in self.episode.trace],
+            "steps": self.turns,
+        }
+
+
+def _image(maze: Maze, cell_px: int) -> Image.Image:
+    return Image.fromarray(render_rgb(maze, cell_px))
+
+
+def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samples: bool = False,
+                 seed: int | None = None, progress=None, batched: bool = True) -> list[Episode]:
+    """Plays every maze to the end; returns the episodes in input order.
+
+    `batched=False` sends one conversation per engine call (the baseline the benchmark compares to).
+    `seed` makes sampling reproducible: turn t of this call samples with seed + t.
+    """
+    episodes = []
+    for maze in mazes:
+        first = user_turn(task_prompt(maze, settings.response_format, settings.action_style), _image(maze, settings.cell_px))
+        episodes.append(Episode(maze=maze, episode=MazeEpisode(maze, settings.max_turns), messages=[first]))
+    turn = 0
+    while True:
+        live = [e for e in episodes if not e.episode.done]
+        if not live:
+            break
+        groups = [live] if batched else [[e] for e in live]
+        for group_index, group in enumerate(groups):
+            call_seed = None if seed is None else seed * 1_000_003 + turn * 1009 + group_index
+            try:
+                completions = engine.generate([e.messages for e in group], settings.temperature, settings.max_new_tokens, call_seed)
+            except Exception as exc:  # an engine failure ends these episodes, scored failed, and the run goes on
+                for e in group:
+                    e.error = f"{type(exc).__name__}: {exc}"
+                    e.episode.done = True
+                continue
+            for e, completion in zip(group, completions):
+                if getattr(completion, "error", None):
+                    e.error = completion.error  # this maze is scored failed, with the reason kept
+                    e.episode.done = True
+                    continue
+                _apply(e, completion, settings, keep_samples)
+        turn += 1
+        if progress is not None:
+            progress(turn, sum(e.episode.done for e in episodes), len(episodes))
+    return episodes
+
+
+def _apply(e: Episode, completion, settings: EpisodeSettings, keep_samples: bool) -> None:
+    if keep_samples:
+        e.samples.append((list(e.messages), completion))
+    action = parse_action(completion.text, settings.action_style)
+    if action is not None and action[0] == "move" and action[1] not in (0, 1, 2, 3):
+        action = None
+    _, feedback = e.episode.step(action)
+    if action is None:
+        feedback = FEEDBACK_INVALID
+    e.turns.append({"text": completion.text, "action": list(action) if action else None, "feedback": feedback,
+                    "position": list(e.episode.position)})
+    e.messages.append(assistant_turn(completion.text))
+    if not e.episode.done:
+        view = e.episode.view()
+        e.messages.append(user_turn(feedback_text(feedback), _image(view, settings.cell_px)))

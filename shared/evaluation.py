@@ -1,0 +1,76 @@
+"""Held-out evaluation: play an eval set with an engine, write summary.json and episodes.jsonl.
+
+The summary schema (../shared/DESIGN.md §4) is the same wherever an evaluation runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from shared.episodes import Episode, EpisodeSettings, run_episodes
+from shared.maze.dataset import EvalSet
+from shared.storage import atomic_write_json, atomic_write_text
+
+
+def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: str | None, extra: dict | None = None) -> dict:
+    """Returns the summary.json dict for finished episodes."""
+    total = len(episodes)
+    solved = sum(e.solved for e in episodes)
+    oracle = eval_set.oracle_solved()
+    by_length: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for e in episodes:
+        record = by_length[e.record()["optimal_actions"]]
+        record[0] += int(e.solved)
+        record[1] += 1
+    turns = [len(e.turns) for e in episodes]
+    summary = {
+        "env": eval_set.env_id,
+        "seeds": eval_set.seeds_spec,
+        "max_turns": eval_set.max_turns,
+        "total": total,
+        "solved": solved,
+        "solve_rate": solved / total if total else 0.0,
+        "oracle_solved": oracle,
+        "share_of_ceiling": solved / oracle if oracle else 0.0,
+        "format_rate": sum(e.format_rate() for e in episodes) / max(total, 1),
+        "parse_failures": sum(e.parse_failures for e in episodes),
+        "mean_turns": sum(turns) / max(total, 1),
+        "errors": sum(e.error is not None for e in episodes),
+        "by_optimal_actions": {str(k): {"solved": v[0], "total": v[1]} for k, v in sorted(by_length.items())},
+        "model": model,
+        "adapter": adapter,
+    }
+    summary.update(extra or {})
+    return summary
+
+
+def evaluate(engine, eval_set: EvalSet, settings: EpisodeSettings, out_dir: str | Path | None = None,
+             model: str | None = None, adapter: str | None = None, extra: dict | None = None,
+             progress=None) -> tuple[dict, list[Episode]]:
+    """Plays the eval set (greedy unless settings say otherwise); writes summary.json + episodes.jsonl."""
+    settings = EpisodeSettings(**{**settings.__dict__, "max_turns": eval_set.max_turns})
+    started = time.perf_counter()
+    episodes = run_episodes(engine, eval_set.mazes(), settings, progress=progress)
+    elapsed = time.perf_counter() - started
+    summary = summarize(episodes, eval_set, model or getattr(engine, "name", "?"),
+                        adapter if adapter is not None else getattr(engine, "adapter", None),
+                        {"elapsed_s": round(elapsed, 2), "temperature": settings.temperature, **(extra or {})})
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        atomic_write_text(out_dir / "episodes.jsonl", "".join(json.dumps(e.record()) + "\n" for e in episodes))
+        atomic_write_json(out_dir / "summary.json", summary)  # last: a summary means the folder is complete
+    return summary, episodes
+
+
+def describe(summary: dict) -> str:
+    """Returns the one-line result people read: solve rate beside the oracle ceiling."""
+    return (
+        f"{summary['env']} seeds {summary['seeds']} @ {summary['max_turns']} turns: "
+        f"solved {summary['solved']}/{summary['total']} ({100 * summary['solve_rate']:.1f}%), "
+        f"oracle ceiling {summary['oracle_solved']}/{summary['total']}, "
+        f"{100 * summary['share_of_ceiling']:.1f}% of ceiling; parse failures {summary['parse_failures']}, "
+        f"mean turns {summary['mean_turns']:.1f}"
+    )

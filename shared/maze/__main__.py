@@ -1,0 +1,76 @@
+"""python -m shared.maze {dump,ceiling,render}: inspect the mazes the project trains and evaluates on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+from shared.maze.core import MazeEpisode, generate, solve
+from shared.maze.dataset import EvalSet, parse_seeds
+from shared.maze.render import VISGYM_CELL_PX, render_rgb, render_text, save_gif
+
+
+def cmd_dump(args) -> None:
+    for seed in parse_seeds(args.seeds):
+        print(json.dumps(generate(args.env, seed).to_json(), separators=(", ", ": ")))
+
+
+def cmd_ceiling(args) -> None:
+    eval_set = EvalSet(args.env, parse_seeds(args.seeds), args.max_turns)
+    print(f"{args.env} seeds {eval_set.seeds_spec}: optimal action count (stop included) -> mazes")
+    for count, mazes in eval_set.histogram().items():
+        mark = "ok " if count <= args.max_turns else "too long"
+        print(f"  {count:3d}  {mazes:4d}  {'#' * mazes}  {mark}")
+    print(f"oracle ceiling: {eval_set.oracle_solved()}/{len(eval_set.seeds)}")
+
+
+def cmd_render(args) -> None:
+    maze = generate(args.env, args.seed)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix.lower() == ".gif":
+        episode = MazeEpisode(maze, max_turns=10_000)
+        frames = [render_rgb(maze, args.cell_px)]
+        for d in solve(maze):
+            episode.step(("move", d))
+            frames.append(render_rgb(episode.view(), args.cell_px))
+        save_gif(frames, out)
+    elif out.suffix.lower() == ".png":
+        Image.fromarray(render_rgb(maze, args.cell_px)).save(out)
+    else:
+        sys.exit(f"--out {out}: use a .png (the start) or .gif (the solver's episode) file name")
+    print(render_text(maze))
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m shared.maze", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    dump = sub.add_parser("dump", help="one JSON line per seed: seed, maze_map, agent, target")
+    dump.add_argument("--env", default="maze_2d/easy")
+    dump.add_argument("--seeds", default="0-63")
+    dump.set_defaults(func=cmd_dump)
+    ceiling = sub.add_parser("ceiling", help="histogram of optimal action counts and the oracle ceiling")
+    ceiling.add_argument("--env", default="maze_2d/easy")
+    ceiling.add_argument("--seeds", default="0-63")
+    ceiling.add_argument("--max-turns", type=int, default=15)
+    ceiling.set_defaults(func=cmd_ceiling)
+    render = sub.add_parser("render", help="write a maze's start (.png) or its solved episode (.gif)")
+    render.add_argument("--env", default="maze_2d/easy")
+    render.add_argument("--seed", type=int, required=True)
+    render.add_argument("--out", required=True)
+    render.add_argument("--cell-px", type=int, default=VISGYM_CELL_PX)
+    render.set_defaults(func=cmd_render)
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Turning model text into maze actions, and scoring the recipe's tag format. Never raises on model output."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from shared.maze.core import DIRECTION_NAMES
+
+Action = tuple[str, int | str]
+ActionStyle = Literal["tuple", "keyword"]
+
+_TAG = r"<{0}>(.*?)</{0}>"
+_TUPLE = re.compile(
+    r"""\(\s*[`'"]?\s*(move|stop)\s*[`'"]?\s*,\s*[`'"]?\s*([0-3]|stop)\s*[`'"]?\s*\)""", re.IGNORECASE
+)
+_KEYWORDS = {name: d for d, name in DIRECTION_NAMES.items()}
+_KEYWORD = re.compile(r"\b(right|up|left|down|stop)\b", re.IGNORECASE)
+FORMAT_TAGS = ("observation", "justification", "action")
+
+
+def tag_content(text: str, tag: str) -> str | None:
+    """Returns the stripped content of the last `<tag>...</tag>` in text, or None if there is none."""
+    found = re.findall(_TAG.format(tag), text, flags=re.DOTALL | re.IGNORECASE)
+    return found[-1].strip() if found else None
+
+
+def parse_action(text: str, style: ActionStyle = "tuple") -> Action | None:
+    """Returns ('move', d) or ('stop', 'stop') from model text, or None when no valid action is found.
+
+    Looks inside the last `<action>` tag when there is one, else in the whole text, and takes the last
+    action written there (models reason first, then act). `style="keyword"` also accepts
+    `<action>left</action>` (the instruct recipe's form).
+    """
+    if not isinstance(text, str):
+        return None
+    region = tag_content(text, "action")
+    if region is None:
+        region = text
+    matches = _TUPLE.findall(region)
+    if matches:
+        name, payload = matches[-1]
+        name, payload = name.lower(), payload.lower()
+        if name == "stop" and payload == "stop":
+            return ("stop", "stop")
+        if name == "move" and payload.isdigit():
+            return ("move", int(payload))
+        return None
+    if style == "keyword":
+        words = _KEYWORD.findall(region)
+        if words:
+            word = words[-1].lower()
+            return ("stop", "stop") if word == "stop" else ("move", _KEYWORDS[word])
+    return None
+
+
+def format_action(action: Action, style: ActionStyle = "tuple") -> str:
+    """Returns the canonical text of an action: `('move', 0)` or, in keyword style, `right`."""
+    if style == "keyword":
+        return "stop" if action[0] == "stop" else DIRECTION_NAMES[int(action[1])]
+    return "('stop', 'stop')" if action[0] == "stop" else f"('move', {int(action[1])})"
+
+
+def turn_is_well_formatted(text: str) -> bool:
+    """Returns True when a turn has non-empty `<observation>`, `<justification>` and `<action>` tags."""
+    return all(tag_content(text, tag) for tag in FORMAT_TAGS)
+
+
+def episode_reward(solved: bool, turn_texts: list[str], mode: str) -> float:
+    """Returns the episode reward: `task` = success, `task_format` = 0.8 success + 0.2 share of well-formatted turns."""
+    task = 1.0 if solved else 0.0
+    if mode == "task":
+        return task
+    if mode == "task_format":
+        share = sum(turn_is_well_formatted(t) for t in turn_texts) / max(len(turn_texts), 1)
+        return 0.8 * task + 0.2 * share
+    raise ValueError(f"unknown reward mode {mode!r}: use 'task' or 'task_format'")

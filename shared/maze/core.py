@@ -1,0 +1,209 @@
+"""The maze_2d task: VisGym-identical generation, step semantics and an optimal solver.
+
+Generation reproduces VisGym's `maze_2d` seed for seed (see ../shared/DESIGN.md §3): numpy's
+PCG64 generator seeded like gymnasium, one draw for Wilson's loop-erased random walk (run on
+`random.Random`), one draw for the corner pair. Nothing here knows about models or images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ENV_SIZES = {"maze_2d/easy": (9, 9), "maze_2d/hard": (11, 11)}
+
+# Direction index -> (d_row, d_col); 0=right, 1=up, 2=left, 3=down (VisGym's action codes).
+MOVES = {0: (0, 1), 1: (-1, 0), 2: (0, -1), 3: (1, 0)}
+DIRECTION_NAMES = {0: "right", 1: "up", 2: "left", 3: "down"}
+
+FEEDBACK_OK = "Action executed successfully."
+FEEDBACK_WALL = "Cannot move into a wall."
+FEEDBACK_INVALID = (
+    "Invalid action. Reply with exactly one of: ('move', 0) right, ('move', 1) up, "
+    "('move', 2) left, ('move', 3) down, ('stop', 'stop')."
+)
+
+# Wilson's walk directions over the inner cell lattice (row, col), in VisGym's order.
+_WALK_DIRECTIONS = [(0, 1), (1, 0), (0, -1), (-1, 0)]
+
+
+def env_size(env_id: str) -> tuple[int, int]:
+    """Returns (height, width) for an env id such as `maze_2d/easy` or `maze_2d/13x15`."""
+    if env_id in ENV_SIZES:
+        return ENV_SIZES[env_id]
+    prefix, _, size = env_id.partition("/")
+    try:
+        height, width = (int(x) for x in size.split("x"))
+    except ValueError:
+        height = width = 0
+    if prefix != "maze_2d" or height < 5 or width < 5 or height % 2 == 0 or width % 2 == 0:
+        raise ValueError(
+            f"unknown env id {env_id!r}: use maze_2d/easy, maze_2d/hard or maze_2d/HxW with odd H, W >= 5"
+        )
+    return height, width
+
+
+def wilson_inner_grid(height: int, width: int, seed: int) -> list[list[int]]:
+    """Returns the inner maze as rows of 1 (carved floor) / 0 (wall), Wilson's algorithm."""
+    r = random.Random(seed)
+    grid = [[0] * width for _ in range(height)]
+    unvisited = [(i, j) for i in range(height) for j in range(width) if i % 2 == 0 and j % 2 == 0]
+    visited: set[tuple[int, int]] = set()
+
+    def inside(cell: tuple[int, int], d: int) -> bool:
+        i, j = cell[0] + 2 * _WALK_DIRECTIONS[d][0], cell[1] + 2 * _WALK_DIRECTIONS[d][1]
+        return 0 <= i < height and 0 <= j < width
+
+    first = unvisited.pop(r.randint(0, len(unvisited) - 1))
+    visited.add(first)
+    grid[first[0]][first[1]] = 1
+    while unvisited:
+        start = unvisited[r.randint(0, len(unvisited) - 1)]
+        path: dict[tuple[int, int], int] = {}
+        cell = start
+        while True:  # random walk until it hits the tree; overwriting path[] erases loops
+            d = r.randint(0, 3)
+            while not inside(cell, d):
+                d = r.randint(0, 3)
+            path[cell] = d
+            cell = (cell[0] + 2 * _WALK_DIRECTIONS[d][0], cell[1] + 2 * _WALK_DIRECTIONS[d][1])
+            if cell in visited:
+                break
+        cell = start
+        while True:  # carve the loop-erased path into the tree
+            visited.add(cell)
+            unvisited.remove(cell)
+            grid[cell[0]][cell[1]] = 1
+            di, dj = _WALK_DIRECTIONS[path[cell]]
+            grid[cell[0] + di][cell[1] + dj] = 1
+            cell = (cell[0] + 2 * di, cell[1] + 2 * dj)
+            if cell in visited:
+                break
+    return grid
+
+
+@dataclass(frozen=True)
+class Maze:
+    """One maze instance: layout (1 = wall), start and target as (row, col)."""
+
+    maze_map: np.ndarray
+    agent: tuple[int, int]
+    target: tuple[int, int]
+    env_id: str = "maze_2d/easy"
+    seed: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.maze_map.shape)  # type: ignore[return-value]
+
+    def content_hash(self) -> str:
+        """Returns a sha256 over layout, start and target: the identity of a maze, whatever its seed."""
+        payload = json.dumps(
+            {"maze_map": self.maze_map.tolist(), "agent": list(self.agent), "target": list(self.target)},
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def to_json(self) -> dict:
+        return {
+            "seed": self.seed,
+            "maze_map": self.maze_map.tolist(),
+            "agent": list(self.agent),
+            "target": list(self.target),
+        }
+
+
+def generate(env_id: str, seed: int) -> Maze:
+    """Returns the maze VisGym's `maze_2d` builds for `reset(seed=seed)`."""
+    height, width = env_size(env_id)
+    rng = np.random.default_rng(seed)  # == gymnasium.utils.seeding.np_random(seed)
+    inner = wilson_inner_grid(height - 2, width - 2, int(rng.integers(2**32)))
+    maze_map = np.ones((height, width), dtype=np.int8)
+    maze_map[1:-1, 1:-1] = 1 - np.asarray(inner, dtype=np.int8)
+    corners = [
+        ((1, 1), (height - 2, width - 2)),
+        ((height - 2, width - 2), (1, 1)),
+        ((height - 2, 1), (1, width - 2)),
+        ((1, width - 2), (height - 2, 1)),
+    ]
+    agent, target = corners[int(rng.integers(0, len(corners)))]
+    return Maze(maze_map=maze_map, agent=agent, target=target, env_id=env_id, seed=seed)
+
+
+def solve(maze: Maze, start: tuple[int, int] | None = None) -> list[int]:
+    """Returns the shortest list of move directions from `start` (default: the agent) to the target."""
+    start = start or maze.agent
+    prev: dict[tuple[int, int], tuple[tuple[int, int], int] | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        cell = queue.popleft()
+        if cell == maze.target:
+            break
+        for d, (dr, dc) in MOVES.items():
+            nxt = (cell[0] + dr, cell[1] + dc)
+            if maze.maze_map[nxt] == 0 and nxt not in prev:
+                prev[nxt] = (cell, d)
+                queue.append(nxt)
+    if maze.target not in prev:
+        raise ValueError(f"maze seed={maze.seed} has no path from {start} to {maze.target}")
+    moves: list[int] = []
+    cell = maze.target
+    while prev[cell] is not None:
+        cell, d = prev[cell]  # type: ignore[misc]
+        moves.append(d)
+    return moves[::-1]
+
+
+def optimal_action_count(maze: Maze) -> int:
+    """Returns the number of actions a perfect agent needs: the shortest path plus `stop`."""
+    return len(solve(maze)) + 1
+
+
+@dataclass
+class MazeEpisode:
+    """The mutable state of one episode; `step` applies VisGym's rules and returns feedback."""
+
+    maze: Maze
+    max_turns: int = 15
+    position: tuple[int, int] = field(init=False)
+    turns: int = field(default=0, init=False)
+    done: bool = field(default=False, init=False)
+    solved: bool = field(default=False, init=False)
+    trace: list[tuple[int, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.position = self.maze.agent
+        self.trace = [self.position]
+
+    def step(self, action: tuple[str, int | str] | None) -> tuple[float, str]:
+        """Applies one parsed action (None = unparseable, a wasted turn); returns (reward, feedback)."""
+        if self.done:
+            raise RuntimeError("episode is over; start a new MazeEpisode")
+        self.turns += 1
+        reward, feedback = 0.0, FEEDBACK_OK
+        if action is None:
+            feedback = FEEDBACK_INVALID
+        elif action[0] == "stop":
+            self.done = True
+            self.solved = self.position == self.maze.target
+            reward = 1.0 if self.solved else 0.0
+        else:
+            dr, dc = MOVES[int(action[1])]
+            nxt = (self.position[0] + dr, self.position[1] + dc)
+            if self.maze.maze_map[nxt] == 1:
+                feedback = FEEDBACK_WALL
+            else:
+                self.position = nxt
+        self.trace.append(self.position)
+        if not self.done and self.turns >= self.max_turns:
+            self.done = True  # out of turns: reward stays 0
+        return reward, feedback
+
+    def view(self) -> Maze:
+        """Returns the maze with the agent at its current position (what the next image shows)."""
+        return Maze(self.maze.maze_map, self.position, self.maze.target, self.maze.env_id, self.maze.seed)

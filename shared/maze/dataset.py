@@ -1,0 +1,118 @@
+"""The held-out eval set and the stream of training tickets that never yields an eval maze (by content)."""
+
+from __future__ import annotations
+
+import collections
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.maze.core import Maze, generate, optimal_action_count
+from shared.storage import atomic_write_json, atomic_write_text, read_jsonl
+
+
+def parse_seeds(spec: str) -> list[int]:
+    """Returns the seeds of `A-B` (inclusive) or `A,B,C`."""
+    spec = str(spec).strip()
+    try:
+        if "-" in spec:
+            low, high = (int(x) for x in spec.split("-", 1))
+            if high < low:
+                raise ValueError
+            return list(range(low, high + 1))
+        return [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"seed range {spec!r} is invalid: use A-B with A <= B (e.g. 0-63) or A,B,C") from None
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A fixed list of mazes scored with one turn budget."""
+
+    env_id: str
+    seeds: list[int]
+    max_turns: int
+
+    @property
+    def seeds_spec(self) -> str:
+        contiguous = self.seeds == list(range(self.seeds[0], self.seeds[-1] + 1))
+        return f"{self.seeds[0]}-{self.seeds[-1]}" if contiguous else ",".join(map(str, self.seeds))
+
+    def mazes(self) -> list[Maze]:
+        return [generate(self.env_id, seed) for seed in self.seeds]
+
+    def content_hashes(self) -> set[str]:
+        return {maze.content_hash() for maze in self.mazes()}
+
+    def optimal_counts(self) -> list[int]:
+        return [optimal_action_count(maze) for maze in self.mazes()]
+
+    def oracle_solved(self) -> int:
+        """Returns how many mazes a perfect agent solves within max_turns (stop counts as a turn)."""
+        return sum(count <= self.max_turns for count in self.optimal_counts())
+
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(collections.Counter(self.optimal_counts()).items()))
+
+    def save(self, folder: str | Path) -> Path:
+        """Writes `eval_<seeds>_t<turns>.json` (seeds, content hashes, ceiling) under folder; returns its path."""
+        path = Path(folder) / f"eval_{self.seeds_spec}_t{self.max_turns}.json"
+        if not path.exists():
+            mazes = self.mazes()
+            atomic_write_json(
+                path,
+                {
+                    "env": self.env_id,
+                    "seeds": self.seeds_spec,
+                    "max_turns": self.max_turns,
+                    "oracle_solved": self.oracle_solved(),
+                    "mazes": [
+                        {"seed": m.seed, "content_hash": m.content_hash(), "optimal_actions": optimal_action_count(m)}
+                        for m in mazes
+                    ],
+                },
+            )
+        return path
+
+
+class TrainingTickets:
+    """Training mazes: seeds from `start` upward, skipping any maze whose content equals an eval maze.
+
+    The cursor is the next seed to try, so a checkpointed cursor resumes the exact same stream.
+    """
+
+    def __init__(self, env_id: str, excluded: set[str], start: int = 1_000_000):
+        self.env_id = env_id
+        self.excluded = excluded
+        self.cursor = start
+        self.rejected = 0
+
+    def take(self, count: int) -> list[Maze]:
+        return [next(self) for _ in range(count)]
+
+    def __iter__(self) -> Iterator[Maze]:
+        return self
+
+    def __next__(self) -> Maze:
+        while True:
+            maze = generate(self.env_id, self.cursor)
+            self.cursor += 1
+            if maze.content_hash() in self.excluded:
+                self.rejected += 1
+                continue
+            return maze
+
+    def state(self) -> dict:
+        return {"cursor": self.cursor, "rejected": self.rejected}
+
+    def load_state(self, state: dict) -> None:
+        self.cursor, self.rejected = int(state["cursor"]), int(state["rejected"])
+
+    def save(self, folder: str | Path, name: str, count: int) -> Path:
+        """Writes `count` tickets (seed + content hash) as JSON lines for backends that need a data file."""
+        path = Path(folder) / f"{name}.jsonl"
+        if len(read_jsonl(path)) != count:
+            lines = [{"seed": m.seed, "content_hash": m.content_hash()} for m in self.take(count)]
+            atomic_write_text(path, "".join(json.dumps(line) + "\n" for line in lines))
+        return path

@@ -1,0 +1,85 @@
+"""Multi-turn, multi-image conversations: the message format every engine speaks, and Qwen3-VL's template.
+
+Messages are OpenAI-style: `{"role": ..., "content": [{"type": "text", "text": ...},
+{"type": "image", "image": PIL.Image}]}`; `image_url` parts with data URIs are accepted too, so a
+conversation received by the server and one built by the episode runner render identically.
+"""
+
+from __future__ import annotations
+
+from PIL import Image
+
+from shared.maze.render import decode_data_uri
+
+# Qwen3-VL's chat format: <|im_start|>role\n ... <|im_end|>\n, images as
+# <|vision_start|><|image_pad|><|vision_end|> (the processor expands <|image_pad|> per image grid).
+QWEN3VL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+END_OF_TURN = "<|im_end|>"
+
+
+def user_turn(text: str, image: Image.Image | None) -> dict:
+    content = [{"type": "text", "text": text}]
+    if image is not None:
+        content.append({"type": "image", "image": image})
+    return {"role": "user", "content": content}
+
+
+def assistant_turn(text: str) -> dict:
+    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+
+def _is_image(part: dict) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image", "image_url")
+
+
+def limit_images(messages: list[dict], max_images: int) -> list[dict]:
+    """Returns messages keeping only the last `max_images` images; older turns keep their text.
+
+    The memory guard for long multi-image episodes: context grows by text only.
+    """
+    seen = 0
+    kept: list[dict] = []
+    for message in reversed(messages):
+        content = message["content"]
+        if isinstance(content, list) and any(_is_image(p) for p in content):
+            parts = []
+            for part in reversed(content):
+                if _is_image(part):
+                    seen += 1
+                    if seen > max_images:
+                        continue
+                parts.append(part)
+            message = {**message, "content": parts[::-1]}
+        kept.append(message)
+    return kept[::-1]
+
+
+def images_of(messages: list[dict], max_image_bytes: int = 4 * 1024 * 1024) -> list[Image.Image]:
+    """Returns the images of a conversation in order (data URIs decoded); ValueError on a bad one."""
+    images = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            continue
+        for part in content:
+            if not _is_image(part):
+                continue
+            if part["type"] == "image":
+                images.append(part["image"])
+            else:
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(decode_data_uri(url, max_image_bytes))
+    return images

@@ -1,0 +1,88 @@
+"""An engine that plays through any OpenAI-compatible chat endpoint (our server, vLLM, Ray Serve LLM).
+
+Each turn, every live episode's conversation goes out as one request, concurrently. A request that
+is refused, times out or returns garbage is retried with backoff; after the last try that maze gets
+a Completion with `error` set (scored failed, reason recorded) and the rest of the run goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+
+from shared.maze.render import data_uri
+from shared.models.chat import limit_images
+from shared.models.engine import Completion
+
+
+def to_openai_messages(messages: list[dict]) -> list[dict]:
+    """Returns messages with PIL images turned into `image_url` data-URI parts (the wire format)."""
+    wire = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part["type"] == "image":
+                    parts.append({"type": "image_url", "image_url": {"url": data_uri(np.asarray(part["image"]))}})
+                else:
+                    parts.append(part)
+            content = parts
+        wire.append({"role": message["role"], "content": content})
+    return wire
+
+
+class OpenAIEngine:
+    """Chat completions over HTTP, one concurrent request per live episode."""
+
+    def __init__(self, base_url: str, model_name: str, api_key: str | None = None, max_images_in_context: int = 1,
+                 timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5, concurrency: int = 64):
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.endswith("/v1"):
+            self.base_url += "/v1"
+        self.name = model_name
+        self.adapter = model_name.split(":", 1)[1] if ":" in model_name else None
+        self.max_images = max_images_in_context
+        self.retries, self.backoff_s = retries, backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(timeout=timeout_s, headers=headers)
+        self.pool = ThreadPoolExecutor(max_workers=concurrency)
+
+    def check(self) -> None:
+        """Raises ConnectionError naming the URL when the endpoint does not answer /models."""
+        try:
+            self.client.get(f"{self.base_url}/models").raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"endpoint {self.base_url} is not reachable ({exc}); start it with `make serve`") from None
+
+    def _one(self, messages: list[dict], temperature: float, max_new_tokens: int, seed: int | None) -> Completion:
+        body = {"model": self.name, "messages": to_openai_messages(limit_images(messages, self.max_images)),
+                "temperature": temperature, "max_tokens": max_new_tokens}
+        if seed is not None:
+            body["seed"] = seed
+        error = "no attempt made"
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.client.post(f"{self.base_url}/chat/completions", json=body)
+                if response.status_code >= 500 or response.status_code == 429:
+                    error = f"HTTP {response.status_code}: {response.text[:200]}"
+                elif response.status_code >= 400:
+                    return Completion("", [], error=f"HTTP {response.status_code}: {response.text[:200]}")
+                else:
+                    text = response.json()["choices"][0]["message"]["content"]
+                    if not isinstance(text, str):
+                        raise TypeError(f"content is {type(text).__name__}, not text")
+                    return Completion(text=text, token_ids=[])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2**attempt)
+        return Completion("", [], error=f"gave up after {self.retries + 1} tries: {error}")
+
+    def generate(self, conversations, temperature=0.0, max_new_tokens=24, seed=None) -> list[Completion]:
+        futures = [self.pool.submit(self._one, c, temperature, max_new_tokens, None if seed is None else seed + i)
+                   for i, c in enumerate(conversations)]
+        return [f.result() for f in futures]

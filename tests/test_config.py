@@ -1,0 +1,91 @@
+"""One config schema: round trip, overrides, and every error path names the key."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.config import ConfigError, dump_config, load_config, parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_profiles_load_and_round_trip():
+    for profile in ("configs/tiny-cpu.yaml", "configs/qwen3vl-8b-hyperpod.yaml"):
+        cfg = load_config(REPO / profile, environ={})
+        assert parse_config(yaml.safe_load(dump_config(cfg))) == cfg
+
+
+def test_tiny_default_run_id():
+    assert load_config(environ={}).run_id == "tiny-cpu"
+
+
+def test_hyperpod_profile_carries_the_reference_recipe():
+    cfg = load_config(REPO / "configs/qwen3vl-8b-hyperpod.yaml", environ={})
+    assert (cfg.lora.rank, cfg.algorithm.lr, cfg.rollout.temperature) == (32, 1e-6, 0.7)
+    assert (cfg.rollout.n_samples_per_prompt, cfg.env.max_turns, cfg.env.reward) == (8, 15, "task_format")
+    assert (cfg.schedule.eval_interval, cfg.schedule.ckpt_interval, cfg.schedule.hf_save_interval) == (10, 20, 20)
+    assert cfg.schedule.resume_mode == "latest" and not cfg.algorithm.use_kl_loss
+    assert (cfg.cluster.num_engines, cfg.cluster.colocate_all, cfg.cluster.gpu_memory_utilization) == (6, True, 0.45)
+    assert (cfg.cluster.head_instance_type, cfg.cluster.worker_instance_type, cfg.cluster.num_workers) == (
+        "ml.r5d.16xlarge", "ml.g7e.12xlarge", 3)
+    assert cfg.storage.shared_dir == "/shared" and cfg.backend == "skyrl"
+
+
+def test_env_and_cli_overrides(tmp_path):
+    cfg = load_config(None, ["rollout.temperature=0.5", "lora.target_modules=[q_proj]"],
+                      environ={"SHARED_DIR": str(tmp_path), "S3_URI": "s3://b/p", "RAY_ADDRESS": "http://h:8265",
+                               "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    assert cfg.rollout.temperature == 0.5 and cfg.lora.target_modules == ["q_proj"]
+    assert cfg.shared_path() == tmp_path and cfg.storage.s3_uri == "s3://b/p"
+    assert cfg.cluster.ray_address == "http://h:8265" and cfg.storage.aws_endpoint_url == "http://127.0.0.1:9"
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("rollout.temperature=hot", ["rollout.temperature", "'hot'"]),
+        ("rollout.n_samples_per_prompt=0", ["rollout.n_samples_per_prompt", "0", "greater than or equal to 1"]),
+        ("model.colour=blue", ["model.colour", "allowed keys", "path"]),
+        ("nonsense=1", ["nonsense", "allowed keys"]),
+        ("env.id=maze_3d/x", ["env.id", "maze_2d/easy"]),
+        ("backend=tpu", ["backend", "'tpu'", "local"]),
+        ("model.base_model_id=a:b", ["model.base_model_id", "':'"]),
+        ("run_id=../etc", ["run_id", "../etc"]),
+        ("no-equals-sign", ["key.path=value"]),
+    ],
+)
+def test_bad_values_name_the_key(override, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override], environ={})
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="no config file"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, environ={})
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad, environ={})
+
+
+def test_cli_exits_non_zero_with_one_line():
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", "rollout.temperature=hot"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("config error: rollout.temperature")
+
+
+@pytest.mark.parametrize("service", ["trainer", "evaluator", "exporter", "server", "dashboards"])
+def test_every_service_has_help(service):
+    proc = subprocess.run([sys.executable, "-m", f"services.{service}", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0 and "usage" in proc.stdout

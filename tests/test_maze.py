@@ -1,0 +1,151 @@
+"""The maze task: VisGym parity, perfect-maze invariants, step semantics, rendering, CLI."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.maze import (
+    FEEDBACK_INVALID,
+    FEEDBACK_OK,
+    FEEDBACK_WALL,
+    EvalSet,
+    MazeEpisode,
+    TrainingTickets,
+    generate,
+    render_rgb,
+    render_text,
+    solve,
+)
+from shared.maze.core import MOVES
+
+REFERENCE = json.loads((Path(__file__).parent / "data" / "visgym_reference.json").read_text())
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("env_id", ["maze_2d/easy", "maze_2d/hard"])
+def test_dump_matches_visgym_generator_cell_for_cell(env_id):
+    out = subprocess.run([sys.executable, "-m", "shared.maze", "dump", "--env", env_id, "--seeds", "0-63"],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout.splitlines()
+    assert len(out) == 64
+    ours = [hashlib.sha256(json.dumps(json.loads(line), separators=(",", ":")).encode()).hexdigest() for line in out]
+    assert ours == REFERENCE["envs"][env_id]
+
+
+def test_generation_is_deterministic_and_seed_sensitive():
+    a, b = generate("maze_2d/easy", 123), generate("maze_2d/easy", 123)
+    assert np.array_equal(a.maze_map, b.maze_map) and a.agent == b.agent and a.target == b.target
+    assert len({generate("maze_2d/easy", s).content_hash() for s in range(50)}) > 40
+
+
+def _floor(maze):
+    return {(r, c) for r, c in zip(*np.nonzero(maze.maze_map == 0))}
+
+
+@pytest.mark.parametrize("env_id", ["maze_2d/easy", "maze_2d/hard", "maze_2d/13x9"])
+def test_perfect_maze_invariants(env_id):
+    for seed in range(200):
+        maze = generate(env_id, seed)
+        h, w = maze.shape
+        grid = maze.maze_map
+        assert grid[0].all() and grid[-1].all() and grid[:, 0].all() and grid[:, -1].all(), "outer wall"
+        floor = _floor(maze)
+        assert maze.agent in floor and maze.target in floor and maze.agent != maze.target
+        # connected: BFS from the agent reaches every floor cell
+        seen, queue = {maze.agent}, deque([maze.agent])
+        edges = 0
+        while queue:
+            r, c = queue.popleft()
+            for dr, dc in MOVES.values():
+                nxt = (r + dr, c + dc)
+                if nxt in floor:
+                    edges += 1
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        queue.append(nxt)
+        assert seen == floor, "floor connected"
+        assert edges // 2 == len(floor) - 1, "a tree: no cycles"
+
+
+def test_step_semantics_walls_stop_and_budget():
+    maze = generate("maze_2d/easy", 0)
+    path = solve(maze)
+    ep = MazeEpisode(maze, max_turns=15)
+    # find a wall move from the start
+    wall_dir = next(d for d, (dr, dc) in MOVES.items() if maze.maze_map[maze.agent[0] + dr, maze.agent[1] + dc] == 1)
+    assert ep.step(("move", wall_dir)) == (0.0, FEEDBACK_WALL) and ep.position == maze.agent
+    assert ep.step(("move", path[0]))[1] == FEEDBACK_OK and ep.position != maze.agent
+    assert ep.step(None)[1] == FEEDBACK_INVALID and ep.turns == 3
+    assert ep.step(("stop", "stop")) == (0.0, FEEDBACK_OK) and ep.done and not ep.solved  # stop off target
+
+    ep = MazeEpisode(maze, max_turns=50)
+    for d in path:
+        ep.step(("move", d))
+    assert ep.position == maze.target
+    assert ep.step(("stop", "stop"))[0] == 1.0 and ep.solved
+
+    ep = MazeEpisode(maze, max_turns=3)
+    for d in path[:3]:
+        ep.step(("move", d))
+    assert ep.done and not ep.solved, "out of turns ends the episode with 0"
+    with pytest.raises(RuntimeError):
+        ep.step(("stop", "stop"))
+
+
+def test_render_colours_and_size():
+    maze = generate("maze_2d/easy", 3)
+    img = render_rgb(maze)
+    assert img.shape == (9 * 25, 9 * 25, 3) and img.dtype == np.uint8
+    assert tuple(img[2, 2]) == (169, 169, 169)  # corner wall
+    tr, tc = maze.target
+    assert tuple(img[tr * 25 + 2, tc * 25 + 2]) == (255, 0, 0)
+    ar, ac = maze.agent
+    assert tuple(img[ar * 25 + 12, ac * 25 + 12]) == (0, 0, 255)  # disc centre
+    assert tuple(img[ar * 25 + 1, ac * 25 + 1]) == (255, 255, 255)  # outside the disc: floor
+    assert render_rgb(maze, 32).shape == (288, 288, 3)
+    text = render_text(maze).splitlines()
+    assert text[ar][ac] == "A" and text[tr][tc] == "T" and text[0] == "#" * 9
+
+
+def test_ceiling_cli_and_eval_set():
+    out = subprocess.run([sys.executable, "-m", "shared.maze", "ceiling", "--env", "maze_2d/easy", "--seeds", "0-63",
+                          "--max-turns", "15"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    eval_set = EvalSet("maze_2d/easy", list(range(64)), 15)
+    brute = sum(len(solve(m)) + 1 <= 15 for m in eval_set.mazes())
+    assert out.strip().splitlines()[-1] == f"oracle ceiling: {brute}/64"
+    assert eval_set.oracle_solved() == brute == 50
+
+
+def test_render_cli_writes_png_and_gif(tmp_path):
+    for name in ("m.png", "m.gif"):
+        subprocess.run([sys.executable, "-m", "shared.maze", "render", "--seed", "4", "--out", str(tmp_path / name)],
+                       check=True, cwd=REPO, capture_output=True)
+        assert (tmp_path / name).stat().st_size > 100
+    from PIL import Image
+
+    gif = Image.open(tmp_path / "m.gif")
+    assert gif.n_frames == len(solve(generate("maze_2d/easy", 4))) + 1
+
+
+def test_cli_rejects_bad_seed_range():
+    proc = subprocess.run([sys.executable, "-m", "shared.maze", "dump", "--seeds", "9-3"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode != 0 and "9-3" in proc.stderr
+
+
+def test_training_tickets_exclude_eval_mazes_by_content():
+    eval_set = EvalSet("maze_2d/easy", list(range(64)), 15)
+    hashes = eval_set.content_hashes()
+    # Starting the stream at seed 0 must skip every eval maze, by content, and count them.
+    tickets = TrainingTickets("maze_2d/easy", hashes, start=0)
+    taken = tickets.take(100)
+    assert not {m.content_hash() for m in taken} & hashes
+    assert tickets.rejected >= 64
+    # The cursor resumes the identical stream.
+    resumed = TrainingTickets("maze_2d/easy", hashes, start=0)
+    resumed.load_state(TrainingTickets("maze_2d/easy", hashes, start=0).state())
+    assert [m.seed for m in resumed.take(10)] == [m.seed for m in taken[:10]]

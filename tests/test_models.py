@@ -1,0 +1,132 @@
+"""Model I/O: the tiny Qwen3-VL, its processor, chat template, masks and logprobs."""
+
+import hashlib
+
+import pytest
+import torch
+from PIL import Image
+
+from shared.config import load_config
+from shared.maze import generate, render_rgb
+from shared.maze.prompt import task_prompt
+from shared.models.chat import assistant_turn, limit_images, user_turn
+from shared.models.engine import (
+    LocalEngine,
+    ModelLoadError,
+    assistant_mask,
+    collate,
+    encode_conversation,
+    encode_turn,
+    load_model,
+    text_ids,
+    token_logprobs,
+)
+from shared.models.tiny import build_tiny_model
+from shared.storage import sha256_file
+
+
+def _conversation(n_turns=3, cell_px=32):
+    maze = generate("maze_2d/easy", 7)
+    img = Image.fromarray(render_rgb(maze, cell_px))
+    messages = [user_turn(task_prompt(maze), img)]
+    for i in range(n_turns):
+        messages.append(assistant_turn(f"('move', {i % 4})"))
+        messages.append(user_turn("Cannot move into a wall.", img))
+    return messages
+
+
+def test_loader_round_trip(tiny, tiny_model_dir):
+    model, processor = tiny
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+    for token in ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"):
+        assert processor.tokenizer.tokenize(token) == [token]
+    assert (tiny_model_dir / "manifest.json").exists()
+
+
+def test_one_merged_token_per_maze_cell(tiny):
+    _, processor = tiny
+    for env_id, cells in (("maze_2d/easy", 81), ("maze_2d/hard", 121)):
+        img = Image.fromarray(render_rgb(generate(env_id, 0), 32))
+        grid = processor.image_processor(images=[img], return_tensors="pt")["image_grid_thw"][0]
+        assert int(grid.prod()) // 4 == cells
+
+
+def test_template_placeholders_match_image_grid(tiny):
+    _, processor = tiny
+    messages = _conversation(3)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    images = [p["image"] for m in messages for p in m["content"] if p["type"] == "image"]
+    enc = processor(text=[text], images=images, return_tensors="pt")
+    n_image_tokens = int((enc["input_ids"] == processor.image_token_id).sum())
+    assert n_image_tokens == int(enc["image_grid_thw"].prod(dim=1).sum()) // 4 == 4 * 81
+    assert enc["input_ids"][0].tolist() == text_ids(processor, text, images)
+
+
+def test_memory_guard_keeps_last_k_images_and_all_text(tiny):
+    messages = _conversation(5)
+    limited = limit_images(messages, 2)
+    kept = [p for m in limited for p in m["content"] if p["type"] == "image"]
+    texts = [p["text"] for m in limited for p in m["content"] if p["type"] == "text"]
+    assert len(kept) == 2 and kept[-1] is messages[-1]["content"][1]
+    assert texts == [p["text"] for m in messages for p in m["content"] if p["type"] == "text"]
+
+
+def test_assistant_mask_covers_exactly_the_assistant_tokens(tiny):
+    _, processor = tiny
+    sample = encode_conversation(processor, _conversation(3), max_images=4)
+    masked = [t for t, m in zip(sample.input_ids, sample.response_mask) if m]
+    assert processor.tokenizer.decode(masked) == "('move', 0)<|im_end|>('move', 1)<|im_end|>('move', 2)<|im_end|>"
+    assert assistant_mask(processor, sample.input_ids) == sample.response_mask
+
+
+def test_forward_logprobs_match_generate_scores(tiny):
+    model, processor = tiny
+    engine = LocalEngine(model, processor, max_images_in_context=1)
+    conversations = [_conversation(1), _conversation(2)]
+    completions = engine.generate(conversations, temperature=0.7, max_new_tokens=6, seed=3)
+    samples = [encode_turn(engine, c, comp) for c, comp in zip(conversations, completions)]
+    batch = collate(processor, samples)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, batch, temperature=0.7)
+    for row, (sample, comp) in enumerate(zip(samples, completions)):
+        positions = [i for i, m in enumerate(sample.response_mask) if m]
+        forward = logprobs[row, positions]
+        assert forward.shape[0] == len(comp.logprobs) > 0
+        assert torch.allclose(forward, torch.tensor(comp.logprobs), atol=1e-4), (forward, comp.logprobs)
+
+
+def test_tiny_model_is_deterministic(tmp_path, tiny_model_dir):
+    cfg = load_config(None, [f"storage.shared_dir={tmp_path}"], environ={})
+    again = build_tiny_model(cfg, tmp_path / "again")
+    weights = "model.safetensors"
+    assert sha256_file(again / weights) == sha256_file(tiny_model_dir / weights)
+    other = build_tiny_model(cfg, tmp_path / "other", seed=cfg.seed + 1)
+    assert sha256_file(other / weights) != sha256_file(again / weights)
+
+
+def test_missing_or_corrupt_model_fails_clearly(tmp_path, tiny_model_dir):
+    with pytest.raises(ModelLoadError, match="make tiny-model"):
+        load_model(tmp_path / "nothing")
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    with open(broken / "model.safetensors", "r+b") as handle:
+        handle.seek(200)
+        handle.write(b"\x00garbage\x00")
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        load_model(broken)
+
+
+def test_greedy_generation_is_batch_invariant(tiny):
+    model, processor = tiny
+    engine = LocalEngine(model, processor, max_images_in_context=1)
+    convs = [_conversation(1), _conversation(3)]
+    together = engine.generate(convs, temperature=0.0, max_new_tokens=5)
+    alone = [engine.generate([c], temperature=0.0, max_new_tokens=5)[0] for c in convs]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    digest = hashlib.sha256(str([c.token_ids for c in together]).encode()).hexdigest()
+    assert digest == hashlib.sha256(str([c.token_ids for c in engine.generate(convs, 0.0, 5)]).encode()).hexdigest()

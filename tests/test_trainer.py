@@ -1,0 +1,139 @@
+"""GRPO trainer: the math by hand, a 2-step end-to-end run, kill-and-resume equivalence."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.trainer.grpo import group_advantages, ppo_clip_loss
+from shared.storage import verify_manifest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A minimal run: 2 mazes x 2 samples, 4-turn episodes, a 4-maze eval set, a few-second SFT.
+MINIMAL = [
+    "sft.num_mazes=12", "sft.batch_size=16", "rollout.train_batch_size=2", "rollout.n_samples_per_prompt=2",
+    "env.max_turns=4", "env.eval_seeds=0-3", "rollout.max_new_tokens=8", "schedule.total_steps=2",
+    "schedule.eval_interval=1", "schedule.ckpt_interval=1", "schedule.hf_save_interval=1",
+    "lora.rank=4", "lora.alpha=8", "algorithm.lr=0.01", "rollout.temperature=1.0",
+]
+
+
+def test_equal_rewards_give_zero_advantage():
+    rewards = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 1.0]])
+    adv = group_advantages(rewards, std_normalize=True)
+    assert torch.equal(adv[0], torch.zeros(4)) and torch.equal(adv[1], torch.zeros(4))
+    # mean 0.5, unbiased std sqrt(1/3): (1 - 0.5) / 0.57735 = 0.866
+    assert torch.allclose(adv[2], torch.tensor([0.8660, -0.8660, -0.8660, 0.8660]), atol=1e-3)
+    assert torch.allclose(group_advantages(rewards, std_normalize=False)[2], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_ppo_clip_loss_by_hand_and_masks():
+    logprobs = torch.log(torch.tensor([[0.5, 0.5, 0.9, 0.1]]))
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
+    # token 0 is a prompt token, 3 an observation token: both masked out
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
+    loss, clipped = ppo_clip_loss(logprobs, old, torch.tensor([2.0]), mask, 0.2, 0.2)
+    # token 1: ratio 1 -> -2.0; token 2: ratio 1.8 clipped to 1.2 -> -2.4
+    assert loss.item() == pytest.approx(-4.4, abs=1e-5) and clipped.item() == 1
+    loss, clipped = ppo_clip_loss(logprobs, old, torch.tensor([-1.0]), mask)
+    # negative advantage: token 2 min(-1.8, -1.2) = -1.8 -> loss 1.8 (unclipped); token 1 -> 1.0
+    assert loss.item() == pytest.approx(2.8, abs=1e-5) and clipped.item() == 0
+    changed = torch.log(torch.tensor([[0.01, 0.5, 0.9, 0.99]]))
+    assert ppo_clip_loss(changed, old, torch.tensor([2.0]), mask)[0].item() == pytest.approx(-4.4, abs=1e-5)
+
+
+def _train(shared: Path, run_id: str, extra=(), wait=True):
+    cmd = [sys.executable, "-m", "services.trainer", *MINIMAL, f"run_id={run_id}", *extra]
+    env = {**os.environ, "SHARED_DIR": str(shared), "PYTHONUNBUFFERED": "1"}
+    if wait:
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    shared = tmp_path_factory.mktemp("trainer")
+    proc = _train(shared, "full")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return shared, proc
+
+
+def test_two_step_run_writes_every_artifact(trained):
+    shared, proc = trained
+    run = shared / "runs" / "full"
+    assert (run / "run.yaml").exists()
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in ("reward/mean", "train/solve_rate", "train/format_rate", "train/parse_failures", "train/mean_turns",
+                "policy/entropy", "policy/clip_fraction", "policy/grad_norm", "timing/rollout_s", "timing/train_s",
+                "timing/sync_s", "throughput/rollout_tokens_per_s"):
+        assert key in metrics[0], key
+    for step in (0, 1, 2):
+        summary = json.loads((run / "evals" / f"global_step_{step}" / "summary.json").read_text())
+        for key in ("env", "seeds", "max_turns", "total", "solved", "solve_rate", "oracle_solved", "format_rate",
+                    "parse_failures", "mean_turns", "model", "adapter"):
+            assert key in summary, key
+        assert summary["seeds"] == "0-3" and summary["total"] == 4
+    for step in (1, 2):
+        verify_manifest(run / "ckpts" / f"global_step_{step}")
+        export = run / "exports" / f"global_step_{step}" / "policy"
+        verify_manifest(export)
+        config = json.loads((export / "adapter_config.json").read_text())
+        assert config["r"] == 4 and config["base_model_name_or_path"] == "tiny-qwen3vl-sft"
+        weights = load_file(str(export / "adapter_model.safetensors"))
+        assert weights and all("lora_" in k for k in weights)
+        assert all("language_model" in k for k in weights), "LoRA on the language model only"
+    assert (run / "ckpts" / "latest_ckpt_global_step.txt").read_text().strip() == "2"
+    verify_manifest(run / "lora_sync")
+    assert (run / "solve_rate_vs_step.png").stat().st_size > 1000
+    assert (shared / "models" / "tiny-qwen3vl-sft" / "eval" / "summary.json").exists()
+    assert "held-out solve rate" in proc.stdout
+
+
+def test_kill_and_resume_reproduces_the_uninterrupted_run(trained):
+    shared, _ = trained
+    # Share the built models so only the GRPO part runs again.
+    proc = _train(shared, "killed", wait=False)
+    deadline = time.time() + 600
+    ckpt1 = shared / "runs" / "killed" / "ckpts" / "global_step_1" / "manifest.json"
+    while not ckpt1.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpt1.exists(), "the run should have reached its first checkpoint"
+    if (shared / "runs" / "killed" / "ckpts" / "global_step_2" / "manifest.json").exists():
+        pytest.skip("the trainer finished before it was killed")
+    resumed = _train(shared, "killed")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resuming killed" in resumed.stdout
+    full = load_file(str(shared / "runs/full/exports/global_step_2/policy/adapter_model.safetensors"))
+    again = load_file(str(shared / "runs/killed/exports/global_step_2/policy/adapter_model.safetensors"))
+    assert full.keys() == again.keys()
+    for key in full:
+        assert torch.allclose(full[key], again[key], atol=1e-5), key
+    def lines(run):
+        return [json.loads(x) for x in (shared / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["reward/mean"] for m in lines("full")] == [m["reward/mean"] for m in lines("killed")]
+
+
+def test_corrupt_checkpoint_is_skipped_with_a_warning(trained):
+    shared, _ = trained
+    import shutil
+
+    run = shared / "runs" / "corrupt"
+    shutil.copytree(shared / "runs" / "full", run)
+    with open(run / "ckpts" / "global_step_2" / "optimizer.pt", "ab") as handle:
+        handle.write(b"tampered")
+    proc = _train(shared, "corrupt", extra=["schedule.total_steps=2"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "skipping" in proc.stdout and "global_step_2" in proc.stdout
+    assert "resuming corrupt" in proc.stdout and "(step 1)" in proc.stdout
