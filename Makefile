@@ -28,14 +28,21 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## Create .venv (Python 3.11) with pinned torch and the project with every extra (idempotent)
 
+system-deps: ## Debian packages the tests drive for real (prometheus, chromium); skipped when present
+	@if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus chromium; \
+	  else echo "note: prometheus/chromium are missing and this is not root: their tests will be skipped"; fi; \
+	fi
+
 lint: setup ## Ruff over the code
 	$(PY) -m ruff check shared services tests bench
 
-test: setup ## Lint, then the test suite (installs what it needs first)
+test: setup system-deps ## Lint, then the test suite (installs what it needs first)
 	$(PY) -m ruff check shared services tests bench
 	$(PY) -m pytest $(ARGS)
 
-tiny-model: setup ## Build the tiny Qwen3-VL into $$SHARED_DIR/models/tiny-qwen3vl
+tiny-model: setup ## Build the tiny Qwen3-VL into $SHARED_DIR/models/tiny-qwen3vl
 	$(PY) -m shared.models.tiny --config $(CONFIG) $(ARGS)
 
 sft: setup ## Supervised warm-start of the tiny model on solver trajectories, then the held-out eval
@@ -72,7 +79,7 @@ monitor: setup ## Install and start a local Prometheus scraping Ray's metrics
 	$(PY) -m services.dashboards monitor $(ARGS)
 
 images: setup ## Build every service image through the Docker SDK
-	$(PY) -m docker_build $(ARGS)
+	$(PY) docker/build.py $(ARGS)
 
 up: ## Start the local compose stack
 	docker compose -f docker/compose.yaml up -d
@@ -87,4 +94,4 @@ clean: ## Remove caches and build outputs (keeps .venv and .shared)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
 
-.PHONY: help setup lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor images up down bench clean
+.PHONY: help setup system-deps lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor images up down bench clean

@@ -24,7 +24,7 @@ def engine_for_bench():
     cfg = load_config()
     sft_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
     model_dir = sft_dir if is_complete(sft_dir) else ensure_tiny_model(cfg, log=lambda *_: None)
-    return cfg, LocalEngine.from_dir(model_dir, max_images_in_context=cfg.model.max_images_in_context), model_dir.name
+    return cfg, LocalEngine.from_config(cfg, model_dir), model_dir.name
 
 
 def run():

@@ -33,6 +33,7 @@ class ModelConfig(Section):
     tiny_name: str = Field("tiny-qwen3vl", description="where the untrained tiny model is built")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_images_in_context: int = Field(1, ge=1, description="memory guard: older turns keep only their text")
+    max_turns_in_context: int | None = Field(None, ge=1, description="keep the prompt and only the last N exchanges (None: all)")
 
     @field_validator("base_model_id")
     @classmethod

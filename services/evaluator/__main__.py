@@ -64,7 +64,7 @@ def finish(out: Path, summary: dict, gifs: bool, cell_px: int) -> None:
 
 
 def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: Path | None, out: Path, gifs=True) -> dict:
-    engine = LocalEngine.from_dir(model_dir, adapter_dir, cfg.model.dtype, cfg.model.max_images_in_context)
+    engine = LocalEngine.from_config(cfg, model_dir, adapter_dir)
     summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=str(model_dir),
                           adapter=str(adapter_dir) if adapter_dir else None, extra=identity(model_dir, adapter_dir))
     finish(out, summary, gifs, cfg.env.cell_px)
@@ -107,7 +107,51 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
         time.sleep(poll_s)
 
 
+def play(argv: list[str]) -> None:
+    """Plays maze episodes against the server (the evaluator's endpoint mode); one seed writes its GIF."""
+    parser = argparse.ArgumentParser(prog="python -m services.evaluator play",
+                                     description="Play full maze episodes against an OpenAI-compatible server.")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--base-url", default=os.environ.get("SERVER_URL", "http://127.0.0.1:8000"))
+    parser.add_argument("--model-name", default=None, help="base or base:adapter (default: the profile's base model)")
+    parser.add_argument("--seed", type=int, default=None, help="play this one maze and write its GIF")
+    parser.add_argument("--out", default="play", help="folder for the GIF / results")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        sys.exit(str(exc))
+    from shared.models.endpoint import OpenAIEngine
+
+    engine = OpenAIEngine(args.base_url, args.model_name or cfg.model.base_model_id, api_key=os.environ.get("SERVER_API_KEY"),
+                          max_images_in_context=cfg.model.max_images_in_context,
+                          max_turns_in_context=cfg.model.max_turns_in_context)
+    try:
+        engine.check()
+    except ConnectionError as exc:
+        sys.exit(f"error: {exc}")
+    seeds = [args.seed] if args.seed is not None else parse_seeds(cfg.env.eval_seeds)
+    eval_set = EvalSet(cfg.env.eval_env, seeds, cfg.env.max_turns)
+    out = Path(args.out)
+    summary, episodes = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=engine.name,
+                                 adapter=engine.adapter)
+    if args.seed is not None:
+        write_gifs(out, cfg.env.cell_px)
+        episode = episodes[0]
+        for turn in episode.turns:
+            print(f"  {turn['text']!r:28} -> {turn['feedback']} at {tuple(turn['position'])}")
+        print(f"seed {args.seed}: {'solved' if episode.solved else 'not solved'} in {len(episode.turns)} turns; "
+              f"GIF: {out / 'gifs' / f'seed_{args.seed}.gif'}")
+    else:
+        write_report(out)
+        print(describe(summary))
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["play"]:
+        return play(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m services.evaluator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
@@ -147,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
             from shared.models.endpoint import OpenAIEngine
 
             engine = OpenAIEngine(args.base_url, args.model_name or cfg.model.base_model_id,
-                                  api_key=os.environ.get("SERVER_API_KEY"), max_images_in_context=cfg.model.max_images_in_context)
+                                  api_key=os.environ.get("SERVER_API_KEY"), max_images_in_context=cfg.model.max_images_in_context,
+                                  max_turns_in_context=cfg.model.max_turns_in_context)
             engine.check()
             name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
             out = Path(args.out) if args.out else volume.eval(args.run or "endpoint", name)

@@ -1,13 +1,108 @@
-"""python -m services.server: not implemented yet (issue #9). It exits non-zero rather than pretend."""
+"""python -m services.server: serve the base model and its LoRA adapters (from S3), OpenAI-compatible.
+
+    make serve                                   # CPU: Ray Serve + transformers + peft (the tiny model)
+    python -m services.server --gpu --config configs/qwen3vl-8b-hyperpod.yaml   # Ray Serve LLM (vLLM)
+    python -m services.server --gpu --dry-run --config ...                     # print the validated GPU config
+
+Routes: GET /v1/models, POST /v1/chat/completions (model = <base> or <base>:<adapter_id>), GET /healthz.
+Without SERVER_API_KEY the server binds to 127.0.0.1 only; with it, requests need `Authorization: Bearer`.
+"""
+
+from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
+
+import yaml
+
+from shared.config import ConfigError, load_config
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.server", description=__doc__)
-    parser.parse_known_args(argv)
-    sys.exit("services.server is not implemented yet (issue #9)")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    parser.add_argument("--gpu", action="store_true", help="Ray Serve LLM (vLLM) instead of the CPU deployment")
+    parser.add_argument("--dry-run", action="store_true", help="print the (validated) config and exit")
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 needs SERVER_API_KEY)")
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.port:
+        overrides.append(f"server.port={args.port}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        sys.exit(str(exc))
+
+    if args.gpu:
+        from services.server.llm import run, serve_config, validate
+
+        try:
+            config = serve_config(cfg)
+            validate(config)
+        except ValueError as exc:
+            sys.exit(f"error: {exc}")
+        if args.dry_run:
+            print(yaml.safe_dump(config, sort_keys=False))
+            return
+        run(cfg)
+        return
+
+    api_key = os.environ.get("SERVER_API_KEY") or None
+    host = args.host or cfg.server.host
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: no SERVER_API_KEY set, so binding to 127.0.0.1 instead of {host}", file=sys.stderr)
+        host = "127.0.0.1"
+    if not cfg.storage.s3_uri:
+        from services.exporter.__main__ import resolve_s3
+
+        cfg = resolve_s3(cfg)
+    from shared.storage import SharedVolume
+
+    model_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
+    if args.dry_run:
+        print(yaml.safe_dump({"host": host, "port": cfg.server.port, "model": str(model_dir),
+                              "base_model_id": cfg.model.base_model_id, "adapters": f"{cfg.storage.s3_uri}/adapters",
+                              "auth": bool(api_key)}, sort_keys=False))
+        return
+    if not (model_dir / "config.json").exists():
+        sys.exit(f"error: no model at {model_dir}; build it with `make sft` (or set model.path)")
+    url = start_cpu_server(cfg, str(model_dir), host, api_key)
+    print(f"serving {cfg.model.base_model_id} (+ adapters from {cfg.storage.s3_uri}/adapters) on {url}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def start_cpu_server(cfg, model_dir: str, host: str = "127.0.0.1", api_key: str | None = None) -> str:
+    """Starts Ray (if needed) and the CPU deployment; returns the base URL once it answers /healthz."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from services.server.app import MazeServer
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1",
+                 runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HF_"))}})
+    serve.start(http_options={"host": host, "port": cfg.server.port})
+    deployment = MazeServer.options(num_replicas=cfg.server.num_replicas)
+    serve.run(deployment.bind(cfg.model_dump(mode="json"), model_dir, api_key), name="maze", route_prefix="/")
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{cfg.server.port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise TimeoutError(f"server did not answer {url}/healthz within 120s")
 
 
 if __name__ == "__main__":

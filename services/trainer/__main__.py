@@ -1,6 +1,8 @@
 """python -m services.trainer: GRPO post-training of a VLM on visual mazes (what `make train` runs).
 
     python -m services.trainer --config configs/tiny-cpu.yaml [key.path=value ...]
+    python -m services.trainer --backend skyrl --config configs/qwen3vl-8b-hyperpod.yaml [--dry-run]
+    python -m services.trainer submit --config ... [--force]      # a Ray job on RAY_ADDRESS (make submit)
 
 Backends: `local` (Ray actors + transformers + peft, CPU or GPU; the default) and `skyrl` (SkyRL with
 vLLM and FSDP on a GPU cluster). RAY_ADDRESS picks a cluster; without it Ray starts in-process.
@@ -12,23 +14,50 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.config import ConfigError, load_config
+from shared.config import DEFAULT_CONFIG, ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.trainer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = sys.argv[1:] if argv is None else argv
+    submitting = argv[:1] == ["submit"]
+    parser = argparse.ArgumentParser(prog="python -m services.trainer" + (" submit" if submitting else ""),
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
     parser.add_argument("--backend", choices=["local", "skyrl"], default=None, help="override the profile's backend")
+    parser.add_argument("--dry-run", action="store_true", help="skyrl: print the SkyRL overrides and command, run nothing")
+    if submitting:
+        parser.add_argument("--force", action="store_true", help="submit even if the HyperPod preflight finds a mismatch")
+        parser.add_argument("--no-follow", action="store_true", help="return after submitting instead of streaming logs")
+        parser.add_argument("--timeout", type=float, default=None, help="stop following after this many seconds")
     parser.add_argument("overrides", nargs="*", help="key.path=value config overrides, e.g. schedule.total_steps=5")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv[1:] if submitting else argv)
     overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         sys.exit(str(exc))
+
+    if submitting:
+        from services.trainer.submit import PreflightError, submit
+
+        try:
+            record = submit(cfg, args.config or str(DEFAULT_CONFIG), overrides, force=args.force,
+                            follow=not args.no_follow, timeout_s=args.timeout)
+        except PreflightError as exc:
+            sys.exit(f"error: {exc}")
+        if record.get("status") not in (None, "SUCCEEDED"):
+            sys.exit(1)
+        return
     if cfg.backend == "skyrl":
-        sys.exit("the skyrl backend is not implemented yet (issue #6); use backend=local")
+        from services.trainer import skyrl_backend
+
+        if args.dry_run:
+            skyrl_backend.dry_run(cfg, args.config)
+        else:
+            skyrl_backend.run(cfg)
+        return
+    if args.dry_run:
+        sys.exit("--dry-run applies to the skyrl backend (it prints SkyRL's config); the local backend just runs")
     from services.trainer.grpo import Trainer
 
     Trainer(cfg).run()

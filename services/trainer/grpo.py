@@ -136,7 +136,8 @@ class Trainer:
 
         self._start_ray()
         workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir)) for _ in range(cfg.rollout.num_workers)]
-        engine = LocalEngine(model, processor, cfg.model.max_images_in_context, name=cfg.model.base_model_id, adapter=run_id)
+        engine = LocalEngine(model, processor, cfg.model.max_images_in_context, name=cfg.model.base_model_id, adapter=run_id,
+                             max_turns_in_context=cfg.model.max_turns_in_context)
         eval_settings = EpisodeSettings.from_config(cfg)
         history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
 
@@ -274,7 +275,7 @@ class Trainer:
             ray.init(address=address, **quiet)
         else:
             port = int(os.environ.get("RAY_METRICS_EXPORT_PORT", "0")) or None
-            ray.init(include_dashboard=False, _metrics_export_port=port, **quiet)
+            ray.init(include_dashboard=False, _metrics_export_port=port, _node_ip_address="127.0.0.1", **quiet)
 
     def _sync(self, model, workers, step: int) -> None:
         """Writes the adapter to lora_sync/ atomically and has every worker load it."""

@@ -57,13 +57,13 @@ def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
     return messages
 
 
-def turn_samples(processor, messages: list[dict], max_images: int, keep: float, rng: random.Random) -> list[TrainingSample]:
+def turn_samples(processor, messages: list[dict], cfg: RunConfig, keep: float, rng: random.Random) -> list[TrainingSample]:
     """Returns one sample per assistant turn: its own context (memory guard applied), loss on that turn only."""
     samples = []
     for end in range(2, len(messages) + 1, 2):
         if keep < 1.0 and rng.random() > keep:
             continue
-        sample = encode_conversation(processor, messages[:end], max_images)
+        sample = encode_conversation(processor, messages[:end], cfg.model.max_images_in_context, cfg.model.max_turns_in_context)
         last = max(i for i, m in enumerate(sample.response_mask) if m)
         start = last
         while start > 0 and sample.response_mask[start - 1]:
@@ -71,6 +71,18 @@ def turn_samples(processor, messages: list[dict], max_images: int, keep: float, 
         sample.response_mask = [1 if start <= i <= last else 0 for i in range(len(sample.response_mask))]
         samples.append(sample)
     return samples
+
+
+def length_bucketed(samples: list, batch_size: int, rng: random.Random, window: int = 50) -> list[list]:
+    """Returns shuffled batches of similar-length samples (less padding), in random order."""
+    order = samples[:]
+    rng.shuffle(order)
+    batches = []
+    for start in range(0, len(order), batch_size * window):
+        group = sorted(order[start : start + batch_size * window], key=lambda s: len(s.input_ids))
+        batches.extend(group[i : i + batch_size] for i in range(0, len(group), batch_size))
+    rng.shuffle(batches)
+    return batches
 
 
 def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
@@ -92,8 +104,7 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
     started = time.perf_counter()
     samples: list[TrainingSample] = []
     for maze in tqdm(tickets.take(sft.num_mazes), desc="sft data", unit="maze", leave=False):
-        samples.extend(turn_samples(processor, expert_conversation(maze, cfg), cfg.model.max_images_in_context,
-                                    sft.train_fraction_of_turns, rng))
+        samples.extend(turn_samples(processor, expert_conversation(maze, cfg), cfg, sft.train_fraction_of_turns, rng))
     log(f"sft: {len(samples)} turn samples from {sft.num_mazes} mazes "
         f"({tickets.rejected} candidates rejected as eval mazes) in {time.perf_counter() - started:.0f}s")
 
@@ -105,9 +116,8 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
     bar = tqdm(total=total_batches, desc="sft", unit="batch")
     done_batches, stopped_early, accuracy = 0, False, 0.0
     for _ in range(sft.epochs):
-        rng.shuffle(samples)
-        for i in range(0, len(samples), sft.batch_size):
-            batch = collate(processor, samples[i : i + sft.batch_size])
+        for chunk in length_bucketed(samples, sft.batch_size, rng):
+            batch = collate(processor, chunk)
             logp, _ = token_logprobs(model, batch)
             mask = batch["response_mask"]
             loss = -(logp * mask).sum() / mask.sum()
@@ -136,7 +146,8 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
     with staged_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        engine = LocalEngine(model, processor, cfg.model.max_images_in_context, name=cfg.model.path)
+        engine = LocalEngine(model, processor, cfg.model.max_images_in_context, name=cfg.model.path,
+                             max_turns_in_context=cfg.model.max_turns_in_context)
         summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), tmp / "eval",
                               model=cfg.model.path, adapter=None,
                               extra={"sft_batches": done_batches, "sft_train_s": round(train_s, 1)})

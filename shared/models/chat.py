@@ -66,6 +66,28 @@ def limit_images(messages: list[dict], max_images: int) -> list[dict]:
     return kept[::-1]
 
 
+def limit_turns(messages: list[dict], max_turns: int | None) -> list[dict]:
+    """Returns messages keeping the task prompt (first user turn's text) and the last `max_turns` exchanges.
+
+    An exchange is an assistant reply plus the user turn that answers it; None keeps everything.
+    """
+    if max_turns is None:
+        return messages
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(replies) <= max_turns:
+        return messages
+    first = messages[0]
+    cut = replies[-max_turns]
+    if isinstance(first["content"], list):
+        first = {**first, "content": [p for p in first["content"] if not _is_image(p)]}
+    return [first, *messages[cut:]]
+
+
+def limit_context(messages: list[dict], max_images: int, max_turns: int | None = None) -> list[dict]:
+    """Returns the context a model sees: the last `max_turns` exchanges, then the last `max_images` images."""
+    return limit_images(limit_turns(messages, max_turns), max_images)
+
+
 def images_of(messages: list[dict], max_image_bytes: int = 4 * 1024 * 1024) -> list[Image.Image]:
     """Returns the images of a conversation in order (data URIs decoded); ValueError on a bad one."""
     images = []

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 
 from shared.maze.render import data_uri
-from shared.models.chat import limit_images
+from shared.models.chat import limit_context
 from shared.models.engine import Completion
 
 
@@ -39,13 +39,15 @@ class OpenAIEngine:
     """Chat completions over HTTP, one concurrent request per live episode."""
 
     def __init__(self, base_url: str, model_name: str, api_key: str | None = None, max_images_in_context: int = 1,
-                 timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5, concurrency: int = 64):
+                 timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5, concurrency: int = 64,
+                 max_turns_in_context: int | None = None):
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
         self.name = model_name
         self.adapter = model_name.split(":", 1)[1] if ":" in model_name else None
         self.max_images = max_images_in_context
+        self.max_turns = max_turns_in_context
         self.retries, self.backoff_s = retries, backoff_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
@@ -59,7 +61,7 @@ class OpenAIEngine:
             raise ConnectionError(f"endpoint {self.base_url} is not reachable ({exc}); start it with `make serve`") from None
 
     def _one(self, messages: list[dict], temperature: float, max_new_tokens: int, seed: int | None) -> Completion:
-        body = {"model": self.name, "messages": to_openai_messages(limit_images(messages, self.max_images)),
+        body = {"model": self.name, "messages": to_openai_messages(limit_context(messages, self.max_images, self.max_turns)),
                 "temperature": temperature, "max_tokens": max_new_tokens}
         if seed is not None:
             body["seed"] = seed

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from shared.models.chat import ASSISTANT_HEADER, END_OF_TURN, images_of, limit_images
+from shared.models.chat import ASSISTANT_HEADER, END_OF_TURN, images_of, limit_context
 from shared.storage import ManifestError, verify_manifest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,10 +84,12 @@ class Completion:
 class LocalEngine:
     """A model in this process that answers batches of conversations (the episode runner's engine)."""
 
-    def __init__(self, model, processor, max_images_in_context: int = 1, name: str = "local", adapter: str | None = None):
+    def __init__(self, model, processor, max_images_in_context: int = 1, name: str = "local", adapter: str | None = None,
+                 max_turns_in_context: int | None = None):
         self.model = model
         self.processor = processor
         self.max_images = max_images_in_context
+        self.max_turns = max_turns_in_context
         self.name = name
         self.adapter = adapter
         tokenizer = processor.tokenizer
@@ -95,16 +97,24 @@ class LocalEngine:
         self.pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
     @classmethod
-    def from_dir(cls, model_dir, adapter_dir=None, dtype="float32", max_images_in_context=1, device="cpu"):
+    def from_dir(cls, model_dir, adapter_dir=None, dtype="float32", max_images_in_context=1, device="cpu",
+                 max_turns_in_context=None):
         model, processor = load_model(model_dir, dtype, device)
         if adapter_dir:
             model = attach_adapter(model, adapter_dir)
             model.eval()
-        return cls(model, processor, max_images_in_context, name=str(model_dir), adapter=str(adapter_dir) if adapter_dir else None)
+        return cls(model, processor, max_images_in_context, name=str(model_dir),
+                   adapter=str(adapter_dir) if adapter_dir else None, max_turns_in_context=max_turns_in_context)
+
+    @classmethod
+    def from_config(cls, cfg, model_dir, adapter_dir=None, device="cpu"):
+        """Returns an engine for model_dir (+ adapter) with the profile's dtype and context limits."""
+        return cls.from_dir(model_dir, adapter_dir, cfg.model.dtype, cfg.model.max_images_in_context, device,
+                            cfg.model.max_turns_in_context)
 
     def prompt(self, messages: list[dict]) -> tuple[str, list]:
         """Returns (prompt text, images) exactly as the model sees a conversation before it replies."""
-        messages = limit_images(messages, self.max_images)
+        messages = limit_context(messages, self.max_images, self.max_turns)
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return text, images_of(messages)
 
@@ -199,9 +209,9 @@ def text_ids(processor, text: str, images: list) -> list[int]:
     return processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
 
 
-def encode_conversation(processor, messages: list[dict], max_images: int) -> TrainingSample:
+def encode_conversation(processor, messages: list[dict], max_images: int, max_turns: int | None = None) -> TrainingSample:
     """Returns a whole conversation (assistant turns included) as ids + assistant mask + images (SFT)."""
-    messages = limit_images(messages, max_images)
+    messages = limit_context(messages, max_images, max_turns)
     text = processor.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
     images = images_of(messages)
     ids = text_ids(processor, text, images)

@@ -107,8 +107,11 @@ def build_processor(cell_px: int, vocab_size: int = 640):
             "so one merged vision token covers one maze cell"
         )
     pixels = {"shortest_edge": 4 * cell_px * cell_px, "longest_edge": 32 * 32 * cell_px * cell_px}
+    # Per-channel means: with one mean for all channels, grey walls and white floor become scalar
+    # multiples of each other and the vision tower's first LayerNorm erases the difference (measured:
+    # 12x more wall/floor contrast in the vision tokens with these means).
     common = dict(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2, size=pixels,
-                  image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+                  image_mean=[0.9, 0.5, 0.1], image_std=[0.5, 0.5, 0.5])
     image_processor = Qwen2VLImageProcessor(**common)
     video_processor = Qwen3VLVideoProcessor(**common)
     tokenizer = build_tokenizer(vocab_size)
@@ -116,7 +119,8 @@ def build_processor(cell_px: int, vocab_size: int = 640):
                             video_processor=video_processor, chat_template=QWEN3VL_CHAT_TEMPLATE)
 
 
-def tiny_config(tokenizer, hidden: int = 128, layers: int = 4, vision_hidden: int = 96, vision_depth: int = 2):
+def tiny_config(tokenizer, hidden: int = 128, layers: int = 4, vision_hidden: int = 96, vision_depth: int = 2,
+                init_std: float = 0.02):
     """Returns a Qwen3VLConfig small enough for CPU RL, with the real layout (mrope, deepstack, merger)."""
     from transformers import Qwen3VLConfig
 
@@ -135,6 +139,7 @@ def tiny_config(tokenizer, hidden: int = 128, layers: int = 4, vision_hidden: in
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                              "mrope_section": [6, 5, 5], "mrope_interleaved": True},
             pad_token_id=ids["<|endoftext|>"],
+            initializer_range=init_std,
         ),
         vision_config=dict(
             depth=vision_depth,
@@ -147,12 +152,14 @@ def tiny_config(tokenizer, hidden: int = 128, layers: int = 4, vision_hidden: in
             out_hidden_size=hidden,
             num_position_embeddings=576,
             deepstack_visual_indexes=[0],
+            initializer_range=init_std,
         ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
+        initializer_range=init_std,
     )
 
 

@@ -1,0 +1,145 @@
+"""The four Ray dashboards, built from Ray's own definitions and provisioned into Grafana.
+
+Ray generates its dashboards without a cluster (`ray.dashboard.modules.metrics.grafana_dashboard_factory`);
+we retitle them, keep their stable uids, bind every panel to one Prometheus data source, and put them in
+a folder "Ray" through grafana-client (`GrafanaApi`, token auth as Amazon Managed Grafana uses).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+FOLDER_UID = "ray"
+FOLDER_TITLE = "Ray"
+DATASOURCE_UID = "ray-prometheus"
+DATASOURCE_NAME = "Ray Prometheus"
+
+# title -> Ray's generator (its uid is stable per Ray version)
+DASHBOARDS = {
+    "Ray Core": "generate_default_grafana_dashboard",
+    "Ray Data": "generate_data_grafana_dashboard",
+    "Ray Train": "generate_train_grafana_dashboard",
+    "Ray Serve": "generate_serve_grafana_dashboard",
+}
+
+
+class ProvisionError(RuntimeError):
+    """Grafana refused or could not be reached; the message says which step and why."""
+
+
+def _bind(node, datasource: dict):
+    """Points every panel/target datasource reference at our data source, recursively."""
+    if isinstance(node, dict):
+        for key, value in list(node.items()):
+            if key == "datasource" and (value in ("${datasource}", "$datasource", None) or isinstance(value, dict | str)):
+                node[key] = dict(datasource)
+            else:
+                _bind(value, datasource)
+    elif isinstance(node, list):
+        for item in node:
+            _bind(item, datasource)
+
+
+def build_dashboards(datasource_uid: str = DATASOURCE_UID, datasource_name: str = DATASOURCE_NAME) -> list[dict]:
+    """Returns the four dashboards (Grafana JSON), titled, with stable uids, bound to the data source."""
+    from ray.dashboard.modules.metrics import grafana_dashboard_factory as factory
+
+    reference = {"type": "prometheus", "uid": datasource_uid}
+    dashboards = []
+    for title, generator in DASHBOARDS.items():
+        content, uid = getattr(factory, generator)()
+        dashboard = json.loads(content)
+        dashboard["title"] = title
+        dashboard["uid"] = uid
+        dashboard["id"] = None
+        templating = dashboard.get("templating", {}).get("list", [])
+        for variable in templating:
+            if variable.get("type") == "datasource":
+                variable["current"] = {"selected": True, "text": datasource_name, "value": datasource_uid}
+        _bind(dashboard.get("panels", []), reference)
+        for variable in templating:
+            if variable.get("type") == "query":
+                variable["datasource"] = dict(reference)
+        dashboards.append(dashboard)
+    return dashboards
+
+
+def datasource_body(prometheus_url: str, sigv4_region: str | None = None) -> dict:
+    """Returns the Grafana data source: a plain Prometheus URL, or Amazon Managed Prometheus with SigV4."""
+    body = {
+        "uid": DATASOURCE_UID,
+        "name": DATASOURCE_NAME,
+        "type": "prometheus",
+        "access": "proxy",
+        "url": prometheus_url,
+        "isDefault": False,
+        "jsonData": {"httpMethod": "POST", "timeInterval": "10s"},
+    }
+    if sigv4_region:
+        body["jsonData"].update({"sigV4Auth": True, "sigV4AuthType": "default", "sigV4Region": sigv4_region})
+    return body
+
+
+def provision(api, prometheus_url: str, sigv4_region: str | None = None, log=print) -> dict:
+    """Creates or updates folder, data source and the four dashboards; returns what was done per item."""
+    from grafana_client.client import GrafanaClientError
+
+    done: dict[str, str] = {}
+
+    def step(name, fn):
+        try:
+            return fn()
+        except GrafanaClientError as exc:
+            status = getattr(exc, "status_code", None)
+            hint = " (the token was rejected: check GRAFANA_TOKEN)" if status in (401, 403) else ""
+            raise ProvisionError(f"Grafana refused {name}: HTTP {status} {getattr(exc, 'message', exc)}{hint}; "
+                                 f"completed before the failure: {done or 'nothing'}") from None
+
+    def folder():
+        try:
+            api.folder.get_folder(FOLDER_UID)
+            return "exists"
+        except GrafanaClientError as exc:
+            if getattr(exc, "status_code", None) != 404:
+                raise
+        api.folder.create_folder(FOLDER_TITLE, uid=FOLDER_UID)
+        return "created"
+
+    done["folder"] = step("the folder", folder)
+
+    body = datasource_body(prometheus_url, sigv4_region)
+
+    def datasource():
+        try:
+            api.datasource.get_datasource_by_uid(DATASOURCE_UID)
+        except GrafanaClientError as exc:
+            if getattr(exc, "status_code", None) != 404:
+                raise
+            api.datasource.create_datasource(body)
+            return "created"
+        api.datasource.update_datasource_by_uid(DATASOURCE_UID, body)
+        return "updated"
+
+    done["datasource"] = step("the data source", datasource)
+    for dashboard in build_dashboards():
+        payload = {"dashboard": dashboard, "folderUid": FOLDER_UID, "overwrite": True,
+                   "message": "provisioned by maze-grpo"}
+        step(f"dashboard {dashboard['title']}", lambda p=payload: api.dashboard.update_dashboard(p))
+        done[dashboard["title"]] = "provisioned"
+        log(f"dashboard {dashboard['title']} ({dashboard['uid']}) provisioned in folder {FOLDER_TITLE}")
+    return done
+
+
+def write_files(out_dir, datasource_uid: str = DATASOURCE_UID) -> list:
+    """Writes the four dashboards as JSON files (for file-based provisioning); returns their paths."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for dashboard in build_dashboards(datasource_uid):
+        path = out / f"{dashboard['title'].lower().replace(' ', '-')}.json"
+        path.write_text(json.dumps(copy.deepcopy(dashboard), indent=2))
+        paths.append(path)
+    return paths

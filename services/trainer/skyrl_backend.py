@@ -1,0 +1,187 @@
+"""The `skyrl` backend: the same run config driving SkyRL's GRPO (vLLM rollout engines + FSDP) on GPUs.
+
+    python -m services.trainer --backend skyrl --config configs/qwen3vl-8b-hyperpod.yaml [--dry-run]
+
+`skyrl_overrides` maps our config onto SkyRL's (`SkyRLTrainConfig.from_cli_overrides`); the run writes
+its train/val data files from our tickets and eval set, registers our skyrl-gym env and runs SkyRL's
+`BasePPOExp` inside a Ray task, as SkyRL's own entrypoints do. SkyRL's checkpoint and export layout
+(`ckpts/global_step_N`, `exports/global_step_N/policy`) is our shared-volume contract, so the evaluator
+and exporter read its output unchanged. `skyrl` is imported only in this module's run path.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from shared.config import REPO_ROOT, RunConfig
+from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
+from shared.maze.skyrl_env import ENV_CLASS
+from shared.models.engine import lora_target_regex
+from shared.storage import SharedVolume, atomic_write_text
+
+
+def _skyrl_pin() -> str:
+    """Returns the SkyRL requirement from pyproject's `gpu` extra, the one place the pin lives."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return next(r for r in extras["gpu"] if re.match(r"skyrl\b", r))
+
+
+SKYRL_PIN = _skyrl_pin()
+SKYRL_VERSION = SKYRL_PIN.split("==")[1]
+TRAIN_TICKETS_PER_STEP_MARGIN = 2
+
+
+def data_files(cfg: RunConfig) -> tuple[Path, Path]:
+    """Writes SkyRL's train and val data (JSON lines: prompt, env_class, extras) under the run; returns both."""
+    volume = SharedVolume(cfg.shared_path())
+    folder = volume.run(cfg.run_id) / "data"
+    env = cfg.env
+    extras = {"max_turns": env.max_turns, "reward": env.reward, "cell_px": env.cell_px,
+              "response_format": env.response_format, "action_style": env.action_style}
+    placeholder = [{"role": "user", "content": "maze"}]  # the env's init() replaces it with the picture prompt
+
+    def rows(env_id: str, seeds: list[int]) -> str:
+        return "".join(json.dumps({"prompt": placeholder, "env_class": ENV_CLASS, "env_id": env_id, "seed": s, **extras}) + "\n"
+                       for s in seeds)
+
+    eval_set = EvalSet(env.eval_env, parse_seeds(env.eval_seeds), env.max_turns)
+    tickets = TrainingTickets(env.id, eval_set.content_hashes(), env.train_seed_start)
+    count = cfg.rollout.train_batch_size * max(cfg.schedule.total_steps, 1) * TRAIN_TICKETS_PER_STEP_MARGIN
+    train = folder / "train.jsonl"
+    val = folder / "val.jsonl"
+    atomic_write_text(train, rows(env.id, [m.seed for m in tickets.take(count)]))
+    atomic_write_text(val, rows(env.eval_env, eval_set.seeds))
+    return train, val
+
+
+def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
+    """Returns SkyRL config overrides (dot keys) for a run config."""
+    volume = SharedVolume(cfg.shared_path())
+    run = volume.run(cfg.run_id)
+    c, a, r, s, lo, env = cfg.cluster, cfg.algorithm, cfg.rollout, cfg.schedule, cfg.lora, cfg.env
+    gpus = max(c.num_workers * c.gpus_per_worker, 1)
+    sampling = {"temperature": r.temperature, "max_generate_length": r.max_new_tokens, "top_p": 1.0, "logprobs": 1}
+    eval_sampling = {"temperature": r.eval_temperature, "max_generate_length": r.max_new_tokens, "top_p": 1.0}
+    return {
+        "data.train_data": [str(train)],
+        "data.val_data": [str(val)],
+        "trainer.algorithm.advantage_estimator": "grpo",
+        "trainer.algorithm.grpo_norm_by_std": a.std_normalize,
+        "trainer.algorithm.use_kl_loss": a.use_kl_loss,
+        "trainer.algorithm.kl_loss_coef": a.kl_loss_coef,
+        "trainer.algorithm.loss_reduction": a.loss_reduction,
+        "trainer.algorithm.eps_clip_low": a.eps_clip_low,
+        "trainer.algorithm.eps_clip_high": a.eps_clip_high,
+        "trainer.policy.model.path": str(volume.model(cfg.model.path)),
+        "trainer.policy.model.lora.rank": lo.rank,
+        "trainer.policy.model.lora.alpha": lo.alpha,
+        "trainer.policy.model.lora.dropout": lo.dropout,
+        "trainer.policy.model.lora.target_modules": lora_target_regex(lo.target_modules, lo.language_model_only),
+        "trainer.policy.model.lora.lora_sync_path": str(volume.lora_sync(cfg.run_id)),
+        "trainer.policy.optimizer_config.lr": a.lr,
+        "trainer.policy.optimizer_config.weight_decay": a.weight_decay,
+        "trainer.policy.optimizer_config.max_grad_norm": a.max_grad_norm,
+        "trainer.strategy": c.strategy,
+        "trainer.placement.colocate_all": c.colocate_all,
+        "trainer.placement.policy_num_nodes": max(c.num_workers, 1),
+        "trainer.placement.policy_num_gpus_per_node": max(c.gpus_per_worker, 1),
+        "trainer.seed": cfg.seed,
+        "trainer.epochs": 1,
+        "trainer.max_training_steps": s.total_steps,
+        "trainer.train_batch_size": r.train_batch_size,
+        "trainer.policy_mini_batch_size": r.train_batch_size,
+        "trainer.micro_train_batch_size_per_gpu": a.micro_batch_size,
+        "trainer.micro_forward_batch_size_per_gpu": a.micro_batch_size,
+        "trainer.update_epochs_per_batch": a.update_epochs,
+        "trainer.eval_batch_size": len(parse_seeds(env.eval_seeds)),
+        "trainer.eval_before_train": s.eval_before_train,
+        "trainer.eval_interval": s.eval_interval,
+        "trainer.ckpt_interval": s.ckpt_interval,
+        "trainer.hf_save_interval": s.hf_save_interval,
+        "trainer.resume_mode": s.resume_mode if s.resume_mode == "latest" else "none",
+        "trainer.ckpt_path": str(run / "ckpts"),
+        "trainer.export_path": str(run / "exports"),
+        "trainer.log_path": str(run / "logs"),
+        "trainer.run_name": cfg.run_id,
+        "trainer.project_name": "maze-grpo",
+        "trainer.logger": "console",
+        "trainer.max_prompt_length": 8192,
+        # SkyRL's VLM path: multi-turn conversations re-rendered per turn, no sample packing.
+        "trainer.remove_microbatch_padding": False,
+        "generator.vision_language_generator": True,
+        "generator.batched": False,
+        "generator.n_samples_per_prompt": r.n_samples_per_prompt,
+        "generator.eval_n_samples_per_prompt": 1,
+        "generator.max_turns": env.max_turns,
+        "generator.sampling_params": sampling,
+        "generator.eval_sampling_params": eval_sampling,
+        "generator.inference_engine.num_engines": c.num_engines,
+        "generator.inference_engine.gpu_memory_utilization": c.gpu_memory_utilization,
+        "generator.inference_engine.model_dtype": cfg.model.dtype,
+        "generator.inference_engine.tensor_parallel_size": max(1, gpus // c.num_engines),
+        "generator.inference_engine.engine_init_kwargs": {"limit_mm_per_prompt": {"image": cfg.model.max_images_in_context}},
+        "environment.env_class": ENV_CLASS,
+    }
+
+
+def to_cli(overrides: dict) -> list[str]:
+    """Returns `key=value` strings as SkyRL's CLI parses them (JSON for lists, dicts, bools and None)."""
+    out = []
+    for key, value in overrides.items():
+        if isinstance(value, (list, dict, bool)) or value is None:
+            text = json.dumps(value)
+        else:
+            text = str(value)
+        out.append(f"{key}={text}")
+    return out
+
+
+def command(cfg: RunConfig, config_path: str | None) -> str:
+    args = ["python", "-m", "services.trainer", "--backend", "skyrl", "--config", config_path or "configs/tiny-cpu.yaml"]
+    return shlex.join(args)
+
+
+def dry_run(cfg: RunConfig, config_path: str | None = None) -> list[str]:
+    """Prints one override per line and the command; writes both to the run folder; returns the lines."""
+    train, val = data_files(cfg)
+    lines = to_cli(skyrl_overrides(cfg, train, val))
+    run = SharedVolume(cfg.shared_path()).run(cfg.run_id)
+    atomic_write_text(run / "skyrl_overrides.txt", "\n".join(lines) + "\n")
+    atomic_write_text(run / "skyrl_command.txt", command(cfg, config_path) + "\n")
+    for line in lines:
+        print(line)
+    print(f"# command: {command(cfg, config_path)}")
+    return lines
+
+
+def run(cfg: RunConfig) -> None:
+    """Runs SkyRL's BasePPOExp inside a Ray task (needs GPUs, Python >= 3.12 and `skyrl[fsdp]`)."""
+    try:
+        import ray
+        from skyrl.train.config import SkyRLTrainConfig
+        from skyrl.train.entrypoints.main_base import BasePPOExp
+        from skyrl.train.utils import validate_cfg
+        from skyrl.train.utils.utils import initialize_ray
+    except ImportError as exc:
+        sys.exit(f"the skyrl backend needs {SKYRL_PIN} on Python >= 3.12 with GPUs ({exc}); use the trainer GPU image "
+                 "(docker/Dockerfile.gpu) or backend=local")
+    from shared.maze.skyrl_env import register_env
+
+    train, val = data_files(cfg)
+    skyrl_cfg = SkyRLTrainConfig.from_cli_overrides(to_cli(skyrl_overrides(cfg, train, val)))
+    validate_cfg(skyrl_cfg)
+    register_env()
+    initialize_ray(skyrl_cfg)
+
+    @ray.remote(num_cpus=1)
+    def entrypoint(config):
+        register_env()  # the task's process needs the env registered too
+        BasePPOExp(config).run()
+
+    ray.get(entrypoint.remote(skyrl_cfg))

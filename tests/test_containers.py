@@ -1,0 +1,99 @@
+"""Containers and workflows, checked where no Docker engine runs: schemas, Dockerfile rules, image coverage."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SERVICES = ["trainer", "evaluator", "exporter", "server", "dashboards"]
+sys.path.insert(0, str(REPO / "docker"))
+
+
+def _check(schema: str, *files: Path):
+    proc = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", schema, *map(str, files)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_workflows_match_the_github_schema():
+    _check("vendor.github-workflows", *sorted((REPO / ".github" / "workflows").glob("*.yml")))
+
+
+def test_compose_matches_the_compose_spec():
+    _check("vendor.compose-spec", REPO / "docker" / "compose.yaml")
+
+
+def _stages(dockerfile: Path) -> dict[str, list[str]]:
+    """Returns {stage name: its instruction lines}, with line continuations joined."""
+    text = re.sub(r"\\\n\s*", " ", dockerfile.read_text())
+    stages, current = {}, None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?", line, re.IGNORECASE)
+        if match:
+            current = match.group(2) or match.group(1)
+            stages[current] = [line]
+        elif current:
+            stages[current].append(line)
+    return stages
+
+
+DOCKERFILES = [REPO / "docker" / "Dockerfile", REPO / "docker" / "Dockerfile.gpu"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_rules(dockerfile):
+    text = dockerfile.read_text()
+    args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, re.MULTILINE))
+    for stage, lines in _stages(dockerfile).items():
+        base = lines[0].split()[1]
+        base = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), base)
+        if base not in _stages(dockerfile):
+            assert re.search(r":[\w.-]*\d[\w.-]*$", base) and ":latest" not in base, f"{stage}: base {base} is not pinned"
+        for line in lines:
+            if line.upper().startswith("COPY"):
+                sources = [p for p in line.split()[1:-1] if not p.startswith("--")]
+                for source in sources:
+                    assert (REPO / source).exists(), f"{dockerfile.name}:{stage}: COPY source {source} does not exist"
+            if line.upper().startswith("RUN PIP INSTALL"):
+                for pin in re.findall(r"\b(torch|ray|skyrl\[fsdp\])==?[\d.]*", line):
+                    assert "==" in line, f"{stage}: unpinned {pin}"
+        if any(line.upper().startswith("ENTRYPOINT") for line in lines):
+            users = [line.split()[1] for line in lines if line.upper().startswith("USER ")]
+            assert users and users[-1] not in ("root", "0"), f"{stage}: runs as root"
+            assert any("VOLUME" in line and "/shared" in line for lines_ in _stages(dockerfile).values() for line in lines_)
+            assert "SHARED_DIR=/shared" in text
+
+
+def test_every_service_has_an_image_and_the_server_a_healthcheck():
+    from build import IMAGES
+
+    stages = {**_stages(DOCKERFILES[0]), **_stages(DOCKERFILES[1])}
+    for service in SERVICES:
+        targets = [name for name in IMAGES if name.split("-")[0] == service]
+        assert targets, f"no image for {service}"
+        for target in targets:
+            dockerfile, stage = IMAGES[target]
+            assert stage in _stages(REPO / dockerfile)
+            entry = [line for line in stages[stage] if line.upper().startswith("ENTRYPOINT")]
+            assert entry and f"services.{service}" in entry[0]
+    assert {"trainer", "trainer-cpu", "server", "server-cpu"} <= set(IMAGES)
+    for stage in ("server", "server-cpu"):
+        assert any(line.upper().startswith("HEALTHCHECK") for line in stages[stage])
+
+
+def test_dockerignore_keeps_state_out():
+    ignored = (REPO / ".dockerignore").read_text().split()
+    for entry in (".venv", ".shared", ".git"):
+        assert entry in ignored
+
+
+def test_make_images_without_an_engine_says_so():
+    proc = subprocess.run([sys.executable, "docker/build.py", "--only", "evaluator"], cwd=REPO, capture_output=True,
+                          text=True, env={"DOCKER_HOST": "unix:///nonexistent/docker.sock", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode != 0 and "no Docker engine reachable" in proc.stderr
