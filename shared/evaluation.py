@@ -74,3 +74,26 @@ def describe(summary: dict) -> str:
         f"{100 * summary['share_of_ceiling']:.1f}% of ceiling; parse failures {summary['parse_failures']}, "
         f"mean turns {summary['mean_turns']:.1f}"
     )
+
+
+def plot_solve_rate(path: Path, steps: list[int], rates: list[float], ceiling: float, title: str) -> None:
+    """Writes the held-out solve rate per step, with the oracle ceiling, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(steps, [100 * r for r in rates], marker="o", label="held-out solve rate")
+    ax.axhline(100 * ceiling, color="grey", linestyle="--", label=f"oracle ceiling ({100 * ceiling:.1f}%)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("solved (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)

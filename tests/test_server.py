@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from shared.maze import generate
 from shared.maze.render import data_uri, render_rgb
 from shared.models.endpoint import OpenAIEngine
 from shared.models.engine import LocalEngine
+from shared.net import wait_for_http
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "test-key-123"
@@ -52,16 +52,11 @@ def server(exported_run, tiny_model_dir, s3_endpoint, tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "services.server", *overrides], env=env, cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(1)
-        assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-    else:
-        pytest.fail("server did not start: " + Path(log.name).read_text()[-3000:])
+
+    def alive():
+        assert proc.poll() is None, "server exited: " + Path(log.name).read_text()[-3000:]
+
+    wait_for_http(f"{url}/healthz", timeout_s=240, alive=alive)
     cfg = load_config(None, [f"storage.shared_dir={volume.root}", *overrides[:2]],
                       environ={"S3_URI": f"s3://{bucket}/p", "AWS_ENDPOINT_URL": s3_endpoint})
     yield url, cfg, run_id

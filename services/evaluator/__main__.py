@@ -21,7 +21,7 @@ from pathlib import Path
 from services.evaluator.report import write_comparison, write_gifs, write_report
 from shared.config import ConfigError, RunConfig, load_config
 from shared.episodes import EpisodeSettings
-from shared.evaluation import describe, evaluate
+from shared.evaluation import describe, evaluate, plot_solve_rate
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.models.engine import LocalEngine, ModelLoadError
 from shared.storage import (
@@ -85,8 +85,6 @@ def complete_exports(volume: SharedVolume, run_id: str) -> list[tuple[int, Path]
 
 def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: float) -> None:
     """Evaluates each complete export of a run once; keeps history.jsonl and solve_rate_vs_step.png."""
-    from services.trainer.grpo import plot_solve_rate
-
     volume = SharedVolume(cfg.shared_path())
     model_dir = volume.model(cfg.model.path)
     history_path = volume.run(run_id) / "evals" / "watch" / "history.jsonl"

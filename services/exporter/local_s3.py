@@ -12,10 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from shared.net import wait_for_http
 
 DEFAULT_BUCKET = "maze-grpo"
 
@@ -26,17 +27,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_up(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            httpx.get(url, timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise TimeoutError(f"S3 endpoint {url} did not come up within {timeout_s:.0f}s")
-
-
 def start_server(port: int | None = None, log_path: Path | None = None) -> tuple[subprocess.Popen, str]:
     """Starts moto's S3 server on 127.0.0.1 and returns (process, endpoint URL) once it answers."""
     port = port or free_port()
@@ -45,7 +35,7 @@ def start_server(port: int | None = None, log_path: Path | None = None) -> tuple
                             stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_up(url)
+        wait_for_http(url, status=None)
     except TimeoutError:
         proc.kill()
         raise

@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def start_cpu_server(cfg, model_dir: str, host: str = "127.0.0.1", api_key: str | None = None) -> str:
     """Starts Ray (if needed) and the CPU deployment; returns the base URL once it answers /healthz."""
-    import httpx
     import ray
     from ray import serve
 
     from services.server.app import MazeServer
+    from shared.net import wait_for_http
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1",
@@ -95,14 +95,8 @@ def start_cpu_server(cfg, model_dir: str, host: str = "127.0.0.1", api_key: str 
     deployment = MazeServer.options(num_replicas=cfg.server.num_replicas)
     serve.run(deployment.bind(cfg.model_dump(mode="json"), model_dir, api_key), name="maze", route_prefix="/")
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{cfg.server.port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise TimeoutError(f"server did not answer {url}/healthz within 120s")
+    wait_for_http(f"{url}/healthz", timeout_s=120)
+    return url
 
 
 if __name__ == "__main__":

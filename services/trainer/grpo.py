@@ -24,7 +24,7 @@ from services.trainer.rollout import RolloutWorker, build_policy, load_adapter_w
 from services.trainer.sft import ensure_sft, eval_set_of
 from shared.config import RunConfig, dump_config
 from shared.episodes import EpisodeSettings
-from shared.evaluation import describe, evaluate
+from shared.evaluation import describe, evaluate, plot_solve_rate
 from shared.maze.dataset import TrainingTickets
 from shared.models.engine import LocalEngine, collate, token_logprobs
 from shared.storage import (
@@ -311,26 +311,3 @@ class Trainer:
             self.log(f"held-out solve rate: {100 * first['solve_rate']:.1f}% (step {steps[0]}) -> "
                      f"{100 * last['solve_rate']:.1f}% (step {steps[-1]}); oracle ceiling {last['oracle_solved']}/{last['total']}")
         return result
-
-
-def plot_solve_rate(path: Path, steps: list[int], rates: list[float], ceiling: float, title: str) -> None:
-    """Writes the held-out solve rate per step, with the oracle ceiling, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, [100 * r for r in rates], marker="o", label="held-out solve rate")
-    ax.axhline(100 * ceiling, color="grey", linestyle="--", label=f"oracle ceiling ({100 * ceiling:.1f}%)")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("solved (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)

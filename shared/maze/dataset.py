@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import collections
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.maze.core import Maze, generate, optimal_action_count
-from shared.storage import atomic_write_json, atomic_write_text, read_jsonl
+from shared.storage import atomic_write_json
 
 
 def parse_seeds(spec: str) -> list[int]:
@@ -108,11 +107,3 @@ class TrainingTickets:
 
     def load_state(self, state: dict) -> None:
         self.cursor, self.rejected = int(state["cursor"]), int(state["rejected"])
-
-    def save(self, folder: str | Path, name: str, count: int) -> Path:
-        """Writes `count` tickets (seed + content hash) as JSON lines for backends that need a data file."""
-        path = Path(folder) / f"{name}.jsonl"
-        if len(read_jsonl(path)) != count:
-            lines = [{"seed": m.seed, "content_hash": m.content_hash()} for m in self.take(count)]
-            atomic_write_text(path, "".join(json.dumps(line) + "\n" for line in lines))
-        return path

@@ -1,0 +1,22 @@
+"""The 64-maze held-out eval of the tiny model (greedy, 15 turns): wall time, median of 3 (target <= 60 s)."""
+
+import statistics
+import time
+
+from bench.bench_rollout import engine_for_bench
+from shared.episodes import EpisodeSettings
+from shared.evaluation import evaluate
+from shared.maze.dataset import EvalSet, parse_seeds
+
+
+def run():
+    cfg, engine, name = engine_for_bench()
+    eval_set = EvalSet(cfg.env.eval_env, parse_seeds(cfg.env.eval_seeds), cfg.env.max_turns)
+    times, summary = [], None
+    for _ in range(3):
+        started = time.perf_counter()
+        summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg))
+        times.append(time.perf_counter() - started)
+    note = f"{name}, mean turns {summary['mean_turns']:.1f}, solved {summary['solved']}/64; runs {[round(t, 1) for t in times]}"
+    return [{"benchmark": "eval", "metric": "64-maze held-out eval", "value": statistics.median(times), "unit": "s",
+             "note": note + "; target <= 60 s"}]
