@@ -286,3 +286,38 @@ def check_adapter_id(adapter_id: str) -> str:
     if not isinstance(adapter_id, str) or not ADAPTER_ID.match(adapter_id) or adapter_id in {".", ".."}:
         raise ValueError(f"adapter id {adapter_id!r} is invalid: use only letters, digits, '.', '_' and '-'")
     return adapter_id
+
+
+# ---- exports --------------------------------------------------------------------------------------
+
+EXPORT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adopt_settled_export(policy: Path, min_age_s: float = 60.0) -> bool:
+    """Writes a manifest for an export another writer (SkyRL) left without one, once its files have settled.
+
+    SkyRL writes `exports/global_step_N/policy/` but no manifest.json; when both adapter files exist and
+    none has changed for `min_age_s`, the folder is taken as complete. Returns whether it was adopted.
+    """
+    files = [policy / name for name in EXPORT_FILES]
+    if (policy / MANIFEST).exists() or not all(f.is_file() for f in files):
+        return False
+    if time.time() - max(f.stat().st_mtime for f in files) < min_age_s:
+        return False
+    write_manifest(policy, {"adopted": "written by the reader: the export had no manifest (SkyRL layout)"})
+    return True
+
+
+def complete_exports(volume: SharedVolume, run_id: str, warn=None, min_age_s: float = 60.0) -> list[tuple[int, Path]]:
+    """Returns (step, policy folder) of every export whose manifest verifies (settled SkyRL exports adopted)."""
+    found = []
+    for step, folder in step_dirs(volume.exports(run_id)):
+        policy = folder / "policy"
+        adopt_settled_export(policy, min_age_s)
+        try:
+            verify_manifest(policy)
+            found.append((step, policy))
+        except ManifestError as exc:
+            if warn:
+                warn(f"skipping incomplete export {folder}: {exc}")
+    return found

@@ -69,7 +69,8 @@ def test_incomplete_and_corrupt_exports(exported_run, s3_endpoint, bucket, tmp_p
     shared = tmp_path / "shared"
     shutil.copytree(volume.root / "runs" / run_id, shared / "runs" / "bad-run")
     exports = shared / "runs" / "bad-run" / "exports"
-    (exports / "global_step_2" / "policy" / "manifest.json").unlink()  # incomplete
+    (exports / "global_step_2" / "policy" / "manifest.json").unlink()  # half-written: no manifest, weights missing
+    (exports / "global_step_2" / "policy" / "adapter_model.safetensors").unlink()
     weights = exports / "global_step_4" / "policy" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated, then re-manifested so only validation catches it
     with staged_dir(exports / "global_step_6" / "policy") as tmp:
@@ -130,3 +131,26 @@ def test_killed_mid_upload_then_rerun_completes(exported_run, s3_endpoint, bucke
     for adapter_id in store.list():
         assert (store.fetch(adapter_id) / "adapter_model.safetensors").stat().st_size == \
             json.loads((store.fetch(adapter_id) / "manifest.json").read_text())["files"]["adapter_model.safetensors"]["size"]
+
+
+def test_skyrl_layout_exports_are_read_unchanged(exported_run, s3_endpoint, bucket, tmp_path):
+    """SkyRL writes exports/global_step_N/policy/{adapter_model.safetensors, adapter_config.json} and no
+    manifest: a settled export is adopted (manifest written by the reader), a fresh one waits."""
+    volume, run_id = exported_run
+    shared = tmp_path / "shared"
+    for step in (20, 40):
+        policy = shared / "runs" / "skyrl-run" / "exports" / f"global_step_{step}" / "policy"
+        policy.mkdir(parents=True)
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            shutil.copy(volume.export(run_id, 2) / name, policy / name)
+    settled = time.time() - 3600
+    for f in (shared / "runs" / "skyrl-run" / "exports" / "global_step_20" / "policy").iterdir():
+        os.utime(f, (settled, settled))
+    (shared / "runs" / "skyrl-run" / "ckpts").mkdir()
+    (shared / "runs" / "skyrl-run" / "ckpts" / "latest_ckpt_global_step.txt").write_text("40")
+    proc = _run(["--run", "skyrl-run"], shared, s3_endpoint, bucket)
+    assert proc.returncode == 0, proc.stderr
+    assert "skyrl-run-step20: uploaded" in proc.stdout and "skyrl-run-step40" not in proc.stdout.replace("global_step_40", "")
+    assert "global_step_40" in proc.stdout  # still being written: skipped with a warning
+    verify_manifest(shared / "runs" / "skyrl-run" / "exports" / "global_step_20" / "policy")
+    assert AdapterStore(bucket, s3_endpoint).list() == ["skyrl-run-step20"]

@@ -25,14 +25,12 @@ from shared.evaluation import describe, evaluate, plot_solve_rate
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.models.engine import LocalEngine, ModelLoadError
 from shared.storage import (
-    ManifestError,
     SharedVolume,
     append_jsonl,
     read_jsonl,
     sha256_file,
-    step_dirs,
-    verify_manifest,
 )
+from shared.storage import complete_exports as storage_complete_exports
 
 
 def resolve_adapter(cfg: RunConfig, adapter: str | None) -> Path | None:
@@ -72,15 +70,7 @@ def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: 
 
 
 def complete_exports(volume: SharedVolume, run_id: str) -> list[tuple[int, Path]]:
-    """Returns (step, policy folder) of every export whose manifest verifies."""
-    found = []
-    for step, folder in step_dirs(volume.exports(run_id)):
-        try:
-            verify_manifest(folder / "policy")
-            found.append((step, folder / "policy"))
-        except ManifestError as exc:
-            print(f"warning: skipping {folder}: {exc}", file=sys.stderr)
-    return found
+    return storage_complete_exports(volume, run_id, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
 
 
 def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: float) -> None:

@@ -17,15 +17,7 @@ from pathlib import Path
 from boto3.s3.transfer import TransferConfig
 
 from shared.adapters import ADAPTER_FILES, AdapterNotFound, AdapterStore
-from shared.storage import (
-    MANIFEST,
-    ManifestError,
-    SharedVolume,
-    check_adapter_id,
-    sha256_file,
-    step_dirs,
-    verify_manifest,
-)
+from shared.storage import MANIFEST, SharedVolume, check_adapter_id, complete_exports, sha256_file
 
 TRANSFER = TransferConfig(multipart_threshold=8 * 1024 * 1024, multipart_chunksize=8 * 1024 * 1024, max_concurrency=4)
 
@@ -93,14 +85,7 @@ class Exporter:
         self.volume = SharedVolume(cfg.shared_path())
 
     def complete_exports(self, run_id: str) -> list[tuple[int, Path]]:
-        found = []
-        for step, folder in step_dirs(self.volume.exports(run_id)):
-            try:
-                verify_manifest(folder / "policy")
-                found.append((step, folder / "policy"))
-            except ManifestError as exc:
-                self.log(f"warning: skipping incomplete export {folder}: {exc}")
-        return found
+        return complete_exports(self.volume, run_id, warn=lambda m: self.log(f"warning: {m}"))
 
     def eval_summary(self, run_id: str, step: int) -> dict | None:
         path = self.volume.eval(run_id, f"global_step_{step}") / "summary.json"

@@ -9,7 +9,6 @@ The job id is recorded in the run folder and the job's logs are streamed until i
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -141,7 +140,3 @@ def submit(cfg: RunConfig, config_path: str, overrides: list[str], force: bool =
         atomic_write_json(SharedVolume(cfg.shared_path()).run(cfg.run_id) / "job.json", record)
         log(f"job {job_id}: {record['status']}")
     return record
-
-
-def dumps(record: dict) -> str:
-    return json.dumps(record, indent=2)
