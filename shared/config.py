@@ -240,3 +240,17 @@ def load_config(
 def dump_config(cfg: RunConfig) -> str:
     """Returns the resolved config as YAML (what `runs/<id>/run.yaml` holds)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def add_config_arguments(parser) -> None:
+    """Adds `--config` and the `key.path=value` overrides every command takes."""
+    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides, e.g. rollout.temperature=0.5")
+
+
+def config_from_args(args, extra: list[str] | None = None) -> RunConfig:
+    """Returns the config named by --config plus overrides; exits with the one-line error when it is bad."""
+    try:
+        return load_config(args.config, list(args.overrides) + list(extra or []))
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None

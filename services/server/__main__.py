@@ -17,26 +17,19 @@ import time
 
 import yaml
 
-from shared.config import ConfigError, load_config
+from shared.config import add_config_arguments, config_from_args
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    add_config_arguments(parser)
     parser.add_argument("--gpu", action="store_true", help="Ray Serve LLM (vLLM) instead of the CPU deployment")
     parser.add_argument("--dry-run", action="store_true", help="print the (validated) config and exit")
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 needs SERVER_API_KEY)")
     parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
     args = parser.parse_args(argv)
-    overrides = list(args.overrides)
-    if args.port:
-        overrides.append(f"server.port={args.port}")
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as exc:
-        sys.exit(str(exc))
+    cfg = config_from_args(args, [f"server.port={args.port}"] if args.port else [])
 
     if args.gpu:
         from services.server.llm import run, serve_config, validate

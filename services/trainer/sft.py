@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from shared.config import ConfigError, RunConfig, load_config
+from shared.config import RunConfig, add_config_arguments, config_from_args
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
 from shared.maze.core import Maze, MazeEpisode, solve
@@ -165,15 +164,10 @@ def ensure_sft(cfg: RunConfig, log=print) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.trainer.sft", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    add_config_arguments(parser)
     parser.add_argument("--force", action="store_true", help="retrain even if a complete checkpoint exists")
-    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        sys.exit(str(exc))
-    run_sft(cfg, force=args.force)
+    run_sft(config_from_args(args), force=args.force)
 
 
 if __name__ == "__main__":

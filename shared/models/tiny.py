@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from shared.config import ConfigError, RunConfig, load_config
+from shared.config import RunConfig, add_config_arguments, config_from_args
 from shared.models.chat import QWEN3VL_CHAT_TEMPLATE
 from shared.storage import SharedVolume, is_complete, staged_dir
 
@@ -196,15 +195,10 @@ def ensure_tiny_model(cfg: RunConfig, force: bool = False, log=print) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m shared.models.tiny", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    add_config_arguments(parser)
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete model exists")
-    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        sys.exit(str(exc))
-    ensure_tiny_model(cfg, force=args.force)
+    ensure_tiny_model(config_from_args(args), force=args.force)
 
 
 if __name__ == "__main__":
