@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from shared.maze.actions import episode_reward, parse_action, turn_is_well_formatted
-from shared.maze.core import FEEDBACK_INVALID, Maze, MazeEpisode, optimal_action_count
-from shared.maze.prompt import feedback_text, task_prompt
+from shared.maze.core import Maze, MazeEpisode, optimal_action_count
+from shared.maze.prompt import task_prompt
 from shared.maze.render import render_rgb
 from shared.models.chat import assistant_turn, user_turn
 
@@ -127,14 +127,10 @@ def _apply(e: Episode, completion, settings: EpisodeSettings, keep_samples: bool
     if keep_samples:
         e.samples.append((list(e.messages), completion))
     action = parse_action(completion.text, settings.action_style)
-    if action is not None and action[0] == "move" and action[1] not in (0, 1, 2, 3):
-        action = None
-    _, feedback = e.episode.step(action)
-    if action is None:
-        feedback = FEEDBACK_INVALID
+    _, feedback = e.episode.step(action)  # None (unparseable) costs a turn and lists the valid actions
     e.turns.append({"text": completion.text, "action": list(action) if action else None, "feedback": feedback,
                     "position": list(e.episode.position)})
     e.messages.append(assistant_turn(completion.text))
     if not e.episode.done:
         view = e.episode.view()
-        e.messages.append(user_turn(feedback_text(feedback), _image(view, settings.cell_px)))
+        e.messages.append(user_turn(feedback, _image(view, settings.cell_px)))

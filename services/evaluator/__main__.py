@@ -69,6 +69,15 @@ def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: 
     return summary
 
 
+def endpoint_engine(cfg: RunConfig, base_url: str, model_name: str | None):
+    """Returns an OpenAI-endpoint engine with SERVER_API_KEY and the profile's context limits."""
+    from shared.models.endpoint import OpenAIEngine
+
+    return OpenAIEngine(base_url, model_name or cfg.model.base_model_id, api_key=os.environ.get("SERVER_API_KEY"),
+                        max_images_in_context=cfg.model.max_images_in_context,
+                        max_turns_in_context=cfg.model.max_turns_in_context)
+
+
 def complete_exports(volume: SharedVolume, run_id: str) -> list[tuple[int, Path]]:
     return storage_complete_exports(volume, run_id, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
 
@@ -110,11 +119,7 @@ def play(argv: list[str]) -> None:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         sys.exit(str(exc))
-    from shared.models.endpoint import OpenAIEngine
-
-    engine = OpenAIEngine(args.base_url, args.model_name or cfg.model.base_model_id, api_key=os.environ.get("SERVER_API_KEY"),
-                          max_images_in_context=cfg.model.max_images_in_context,
-                          max_turns_in_context=cfg.model.max_turns_in_context)
+    engine = endpoint_engine(cfg, args.base_url, args.model_name)
     try:
         engine.check()
     except ConnectionError as exc:
@@ -176,11 +181,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         if args.base_url:
-            from shared.models.endpoint import OpenAIEngine
-
-            engine = OpenAIEngine(args.base_url, args.model_name or cfg.model.base_model_id,
-                                  api_key=os.environ.get("SERVER_API_KEY"), max_images_in_context=cfg.model.max_images_in_context,
-                                  max_turns_in_context=cfg.model.max_turns_in_context)
+            engine = endpoint_engine(cfg, args.base_url, args.model_name)
             engine.check()
             name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
             out = Path(args.out) if args.out else volume.eval(args.run or "endpoint", name)

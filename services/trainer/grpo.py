@@ -136,8 +136,7 @@ class Trainer:
 
         self._start_ray()
         workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir)) for _ in range(cfg.rollout.num_workers)]
-        engine = LocalEngine(model, processor, cfg.model.max_images_in_context, name=cfg.model.base_model_id, adapter=run_id,
-                             max_turns_in_context=cfg.model.max_turns_in_context)
+        engine = LocalEngine.for_model(cfg, model, processor, name=cfg.model.base_model_id, adapter=run_id)
         eval_settings = EpisodeSettings.from_config(cfg)
         history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
 

@@ -58,8 +58,7 @@ class RolloutWorker:
         torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
         self.cfg = RunConfig.model_validate(cfg_dict)
         model, processor = build_policy(base_dir, self.cfg.lora, self.cfg.model.base_model_id, self.cfg.model.dtype)
-        self.engine = LocalEngine(model, processor, self.cfg.model.max_images_in_context, name=self.cfg.model.base_model_id,
-                                  max_turns_in_context=self.cfg.model.max_turns_in_context)
+        self.engine = LocalEngine.for_model(self.cfg, model, processor, name=self.cfg.model.base_model_id)
         self.adapter_step = -1
 
     def sync(self, adapter_dir: str, step: int) -> int:

@@ -22,7 +22,7 @@ from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
 from shared.maze.core import Maze, MazeEpisode, solve
 from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
-from shared.maze.prompt import feedback_text, solver_reply, task_prompt
+from shared.maze.prompt import solver_reply, task_prompt
 from shared.maze.render import render_rgb
 from shared.models.chat import assistant_turn, user_turn
 from shared.models.engine import LocalEngine, TrainingSample, collate, encode_conversation, load_model, token_logprobs
@@ -51,7 +51,7 @@ def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
         _, feedback = episode.step(action)
         if not episode.done:
             image = Image.fromarray(render_rgb(episode.view(), env.cell_px))
-            messages.append(user_turn(feedback_text(feedback), image))
+            messages.append(user_turn(feedback, image))
     return messages
 
 
@@ -144,8 +144,7 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
     with staged_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        engine = LocalEngine(model, processor, cfg.model.max_images_in_context, name=cfg.model.path,
-                             max_turns_in_context=cfg.model.max_turns_in_context)
+        engine = LocalEngine.for_model(cfg, model, processor, name=cfg.model.path)
         summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), tmp / "eval",
                               model=cfg.model.path, adapter=None,
                               extra={"sft_batches": done_batches, "sft_train_s": round(train_s, 1)})

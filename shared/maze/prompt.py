@@ -24,11 +24,6 @@ def task_prompt(maze: Maze, response_format: str = "plain", action_style: str = 
     )
 
 
-def feedback_text(feedback: str) -> str:
-    """Returns the user turn that follows an action (the next image follows it)."""
-    return feedback
-
-
 def solver_reply(view: Maze, action: Action, response_format: str = "plain", action_style: str = "tuple") -> str:
     """Returns the assistant turn an expert writes at `view` (used for SFT; the same format RL samples)."""
     action_text = format_action(action, action_style)

@@ -13,8 +13,8 @@ from typing import Any
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from shared.maze.actions import episode_reward, parse_action
-from shared.maze.core import FEEDBACK_INVALID, MazeEpisode, generate
-from shared.maze.prompt import feedback_text, task_prompt
+from shared.maze.core import MazeEpisode, generate
+from shared.maze.prompt import task_prompt
 from shared.maze.render import data_uri, render_rgb
 
 ENV_CLASS = "maze_2d"
@@ -52,14 +52,12 @@ class MazeEnv(BaseTextEnv):
         self.texts.append(action if isinstance(action, str) else "")
         parsed = parse_action(action, self.action_style)
         _, feedback = self.episode.step(parsed)
-        if parsed is None:
-            feedback = FEEDBACK_INVALID
         done = self.episode.done
         reward = episode_reward(self.episode.solved, self.texts, self.reward_mode) if done else 0.0
         observations = []
         if not done:
             picture = render_rgb(self.episode.view(), self.cell_px)
-            observations = [{"role": "user", "content": [{"type": "text", "text": feedback_text(feedback)}, _image_part(picture)]}]
+            observations = [{"role": "user", "content": [{"type": "text", "text": feedback}, _image_part(picture)]}]
         metadata = {"feedback": feedback, "position": list(self.episode.position), "solved": self.episode.solved,
                     "parsed_action": list(parsed) if parsed else None}
         return BaseTextEnvStepOutput(observations=observations, reward=reward, done=done, metadata=metadata,

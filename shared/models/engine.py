@@ -112,6 +112,12 @@ class LocalEngine:
         return cls.from_dir(model_dir, adapter_dir, cfg.model.dtype, cfg.model.max_images_in_context, device,
                             cfg.model.max_turns_in_context)
 
+    @classmethod
+    def for_model(cls, cfg, model, processor, name: str, adapter: str | None = None):
+        """Returns an engine around an already-loaded model, with the profile's context limits."""
+        return cls(model, processor, cfg.model.max_images_in_context, name=name, adapter=adapter,
+                   max_turns_in_context=cfg.model.max_turns_in_context)
+
     def prompt(self, messages: list[dict]) -> tuple[str, list]:
         """Returns (prompt text, images) exactly as the model sees a conversation before it replies."""
         messages = limit_context(messages, self.max_images, self.max_turns)
