@@ -112,6 +112,7 @@ class SftConfig(Section):
     batch_size: int = Field(32, ge=1)
     max_minutes: float = Field(8.0, gt=0, description="stop early (and say so) past this budget")
     train_fraction_of_turns: float = Field(1.0, gt=0, le=1)
+    train_vision: bool = Field(True, description="false: keep the vision tower as built and train the language model only")
 
 
 class StorageConfig(Section):

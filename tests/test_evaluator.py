@@ -144,7 +144,7 @@ def test_bad_endpoint_gets_retries_then_failed_with_reason():
     server.modes = ["refuse", "garbage", "ok"] + ["refuse"] * 3 + ["hang"] * 3
     threading.Thread(target=server.serve_forever, daemon=True).start()
     engine = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}", "m", timeout_s=1.0, retries=2, backoff_s=0.01)
-    settings = EpisodeSettings(max_turns=3, cell_px=32)
+    settings = EpisodeSettings(max_turns=3, cell_px=16)
     # One maze recovers after a 503 and garbage; the next ones exhaust their retries (503s, then time-outs).
     episodes = run_episodes(engine, [generate("maze_2d/easy", 0)], settings)
     assert episodes[0].error is None and len(episodes[0].turns) == 1
@@ -161,6 +161,6 @@ def test_parity_of_two_independent_in_process_engines(exported_run, tiny_cfg, ti
     a = LocalEngine.from_config(tiny_cfg, tiny_model_dir, adapter)
     b = LocalEngine.from_config(tiny_cfg, tiny_model_dir, adapter)
     mazes = [generate("maze_2d/easy", s) for s in range(6)]
-    settings = EpisodeSettings(max_turns=3, cell_px=32, max_new_tokens=6)
+    settings = EpisodeSettings(max_turns=3, cell_px=16, max_new_tokens=6)
     ea, eb = run_episodes(a, mazes, settings), run_episodes(b, mazes, settings, batched=False)
     assert [[t["text"] for t in e.turns] for e in ea] == [[t["text"] for t in e.turns] for e in eb]

@@ -24,8 +24,10 @@ from shared.models.engine import (
 from shared.models.tiny import build_tiny_model
 from shared.storage import sha256_file
 
+CELL_PX = load_config().env.cell_px  # the profile's cell size: one merged vision token per cell
 
-def _conversation(n_turns=3, cell_px=32):
+
+def _conversation(n_turns=3, cell_px=CELL_PX):
     maze = generate("maze_2d/easy", 7)
     img = Image.fromarray(render_rgb(maze, cell_px))
     messages = [user_turn(task_prompt(maze), img)]
@@ -48,9 +50,9 @@ def test_loader_round_trip(tiny, tiny_model_dir):
 def test_one_merged_token_per_maze_cell(tiny):
     _, processor = tiny
     for env_id, cells in (("maze_2d/easy", 81), ("maze_2d/hard", 121)):
-        img = Image.fromarray(render_rgb(generate(env_id, 0), 32))
+        img = Image.fromarray(render_rgb(generate(env_id, 0), CELL_PX))
         grid = processor.image_processor(images=[img], return_tensors="pt")["image_grid_thw"][0]
-        assert int(grid.prod()) // 4 == cells
+        assert int(grid.prod()) // processor.image_processor.merge_size**2 == cells
 
 
 def test_template_placeholders_match_image_grid(tiny):
@@ -61,7 +63,8 @@ def test_template_placeholders_match_image_grid(tiny):
     images = [p["image"] for m in messages for p in m["content"] if p["type"] == "image"]
     enc = processor(text=[text], images=images, return_tensors="pt")
     n_image_tokens = int((enc["input_ids"] == processor.image_token_id).sum())
-    assert n_image_tokens == int(enc["image_grid_thw"].prod(dim=1).sum()) // 4 == 4 * 81
+    merged = processor.image_processor.merge_size**2
+    assert n_image_tokens == int(enc["image_grid_thw"].prod(dim=1).sum()) // merged == 4 * 81
     assert enc["input_ids"][0].tolist() == text_ids(processor, text, images)
 
 
@@ -130,3 +133,32 @@ def test_greedy_generation_is_batch_invariant(tiny):
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
     digest = hashlib.sha256(str([c.token_ids for c in together]).encode()).hexdigest()
     assert digest == hashlib.sha256(str([c.token_ids for c in engine.generate(convs, 0.0, 5)]).encode()).hexdigest()
+
+
+def test_vision_tower_starts_out_seeing_neighbours(tiny):
+    """The first vision block's heads 0-3 look one cell right/up/left/down; outputs are centred."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
+
+    from shared.models.tiny import NEIGHBOURS
+
+    model, processor = tiny
+    visual = model.model.visual
+    attn = visual.blocks[0].attn
+    rotary = visual.rot_pos_emb(torch.tensor([[1, 9, 9]]))
+    emb = torch.cat((rotary, rotary), dim=-1)
+    bias = attn.qkv.bias.view(3, attn.num_heads, attn.head_dim)
+    query, key = bias[0].expand(81, -1, -1), bias[1].expand(81, -1, -1)
+    query, key = apply_rotary_pos_emb_vision(query, key, emb.cos(), emb.sin())
+    weights = torch.einsum("qhd,khd->hqk", query, key).mul(attn.head_dim**-0.5).softmax(-1)
+    centre = 4 * 9 + 4
+    for head, (d_row, d_col) in enumerate(NEIGHBOURS):
+        assert int(weights[head, centre].argmax()) == (4 + d_row) * 9 + 4 + d_col
+        assert float(weights[head, centre].max()) > 0.9
+
+    images = [Image.fromarray(render_rgb(generate("maze_2d/easy", s), CELL_PX)) for s in range(100, 108)]
+    inputs = processor.image_processor(images=images, return_tensors="pt")
+    with torch.no_grad():
+        features = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    features = torch.cat(list(features))
+    deviation = (features - features.mean(0)).norm(dim=-1).mean()
+    assert features.mean(0).norm() < 0.5 * deviation  # no shared component drowning the cells

@@ -78,7 +78,7 @@ def _chat(url, model, content, headers=None, **extra):
 
 def _maze_content(seed=1):
     return [{"type": "text", "text": "9x9 maze"},
-            {"type": "image_url", "image_url": {"url": data_uri(render_rgb(generate("maze_2d/easy", seed), 32))}}]
+            {"type": "image_url", "image_url": {"url": data_uri(render_rgb(generate("maze_2d/easy", seed), 16))}}]
 
 
 def test_routes_and_auth(server):
@@ -138,7 +138,7 @@ def test_greedy_parity_with_the_in_process_engine(server):
     adapter_id = f"{run_id}-step4"
     local_adapter = AdapterStore.from_config(cfg).fetch(adapter_id)
     mazes = [generate("maze_2d/easy", s) for s in range(4)]
-    settings = EpisodeSettings(max_turns=4, cell_px=32, temperature=0.0, max_new_tokens=8)
+    settings = EpisodeSettings(max_turns=4, cell_px=16, temperature=0.0, max_new_tokens=8)
     local = run_episodes(LocalEngine.from_config(cfg, Path(cfg.model.path), local_adapter), mazes, settings)
     remote_engine = OpenAIEngine(url, f"{BASE}:{adapter_id}", api_key=KEY, max_images_in_context=cfg.model.max_images_in_context,
                                  max_turns_in_context=cfg.model.max_turns_in_context)

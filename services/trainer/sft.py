@@ -107,7 +107,11 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
         f"({tickets.rejected} candidates rejected as eval mazes) in {time.perf_counter() - started:.0f}s")
 
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.01)
+    if not sft.train_vision:  # as in LLaVA-style SFT: the encoder stays as built, the language model learns to read it
+        for name, param in model.named_parameters():
+            if ".visual." in f".{name}":
+                param.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=sft.lr, weight_decay=0.01)
     total_batches = sft.epochs * ((len(samples) + sft.batch_size - 1) // sft.batch_size)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=sft.lr, total_steps=total_batches, pct_start=0.05)
     deadline = time.perf_counter() + sft.max_minutes * 60
