@@ -47,7 +47,7 @@ class EnvConfig(Section):
     id: str = "maze_2d/easy"
     max_turns: int = Field(15, ge=1, le=200)
     cell_px: int = Field(32, ge=4, le=128)
-    reward: Literal["task", "task_format"] = "task"
+    reward: Literal["task", "task_format", "task_progress"] = "task"
     response_format: Literal["plain", "tagged"] = Field("plain", description="tagged = <observation>/<justification>/<action>")
     action_style: Literal["tuple", "keyword"] = "tuple"
     eval_env: str = "maze_2d/easy"

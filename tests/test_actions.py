@@ -55,5 +55,9 @@ def test_rewards():
     assert episode_reward(True, ["x"], "task") == 1.0
     assert episode_reward(False, [good, "x"], "task_format") == pytest.approx(0.1)
     assert episode_reward(True, [good, good], "task_format") == pytest.approx(1.0)
+    assert episode_reward(True, ["x"], "task_progress", progress=0.25) == 1.0
+    assert episode_reward(False, ["x"], "task_progress", progress=0.25) == pytest.approx(0.125)
+    assert episode_reward(False, ["x"], "task_progress", progress=1.0) == 0.5, "on the target without stop: half"
+    assert episode_reward(False, ["x"], "task_progress", progress=-0.3) == 0.0
     with pytest.raises(ValueError):
         episode_reward(True, [], "bogus")

@@ -22,7 +22,7 @@ from shared.maze import (
     render_text,
     solve,
 )
-from shared.maze.core import MOVES
+from shared.maze.core import MOVES, path_progress
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "visgym_reference.json").read_text())
 REPO = Path(__file__).resolve().parent.parent
@@ -95,6 +95,20 @@ def test_step_semantics_walls_stop_and_budget():
     assert ep.done and not ep.solved, "out of turns ends the episode with 0"
     with pytest.raises(RuntimeError):
         ep.step(("stop", "stop"))
+
+
+def test_path_progress_follows_the_shortest_path_not_the_straight_line():
+    maze = generate("maze_2d/easy", 2)
+    path = solve(maze)
+    ep = MazeEpisode(maze, max_turns=50)
+    seen = [path_progress(maze, ep.position)]
+    for d in path:
+        ep.step(("move", d))
+        seen.append(path_progress(maze, ep.position))
+    assert seen == pytest.approx([i / len(path) for i in range(len(path) + 1)])
+    # a floor cell off the path that is no closer to the target than the start scores 0, never below
+    far = max((cell for cell in zip(*np.nonzero(maze.maze_map == 0))), key=lambda c: len(solve(maze, tuple(c))))
+    assert len(solve(maze, tuple(far))) >= len(path) and path_progress(maze, tuple(far)) == 0.0
 
 
 def test_render_colours_and_size():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.grpo import group_advantages, ppo_clip_loss
+from services.trainer.grpo import group_advantages, loss_row_weights, ppo_clip_loss
 from shared.storage import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,6 +48,22 @@ def test_ppo_clip_loss_by_hand_and_masks():
     assert loss.item() == pytest.approx(2.8, abs=1e-5) and clipped.item() == 0
     changed = torch.log(torch.tensor([[0.01, 0.5, 0.9, 0.99]]))
     assert ppo_clip_loss(changed, old, torch.tensor([2.0]), mask)[0].item() == pytest.approx(-4.4, abs=1e-5)
+
+
+def test_loss_reductions_weigh_tokens_or_samples():
+    # two samples in a step: one with 1 response token, one with 3; each token's loss is -advantage
+    mask = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]])
+    zeros, adv = torch.zeros(2, 4), torch.tensor([1.0, 1.0])
+    token = loss_row_weights(mask, "token_mean", total_tokens=4, total_samples=2)
+    assert ppo_clip_loss(zeros, zeros, adv, mask, row_weights=token)[0].item() == pytest.approx(-1.0)
+    sequence = loss_row_weights(mask, "sequence_mean", total_tokens=4, total_samples=2)
+    assert torch.allclose(sequence, torch.tensor([1 / 2, 1 / 6]))
+    # token_mean: the long sample gets 3/4 of the weight; sequence_mean: each sample gets half
+    only_long = torch.tensor([0.0, 1.0])
+    assert ppo_clip_loss(zeros, zeros, only_long, mask, row_weights=token)[0].item() == pytest.approx(-0.75)
+    assert ppo_clip_loss(zeros, zeros, only_long, mask, row_weights=sequence)[0].item() == pytest.approx(-0.5)
+    with pytest.raises(ValueError, match="loss_reduction"):
+        loss_row_weights(mask, "sum", 4, 2)
 
 
 def _train(shared: Path, run_id: str, extra=(), wait=True):

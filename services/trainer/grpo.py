@@ -52,19 +52,36 @@ def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: flo
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  response_mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+                  response_mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.2,
+                  row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (summed loss over response tokens, clipped-token count) of the token-level PPO-clip objective.
 
     logprobs, old_logprobs, response_mask: [B, L]; advantages: [B] (one per sample, spread over its tokens).
-    The caller divides by the number of response tokens (token_mean).
+    row_weights [B] scales each sample's tokens (see `loss_row_weights`); without it the caller divides the
+    sum by the number of response tokens (token_mean).
     """
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    per_token = -torch.minimum(unclipped, clipped) * response_mask
     was_clipped = ((unclipped != clipped) & (clipped < unclipped)).float() * response_mask
-    return (per_token * response_mask).sum(), was_clipped.sum()
+    if row_weights is not None:
+        per_token = per_token * row_weights[:, None]
+    return per_token.sum(), was_clipped.sum()
+
+
+def loss_row_weights(response_mask: torch.Tensor, reduction: str, total_tokens: int, total_samples: int) -> torch.Tensor:
+    """Returns per-sample loss weights [B] that turn a summed loss into the configured reduction over the step.
+
+    token_mean: every response token of the step weighs the same (1 / all response tokens);
+    sequence_mean: every sample weighs the same, its tokens averaged (1 / (its tokens x all samples)).
+    """
+    if reduction == "token_mean":
+        return torch.full((response_mask.shape[0],), 1.0 / max(total_tokens, 1))
+    if reduction == "sequence_mean":
+        return 1.0 / (response_mask.sum(dim=1).clamp(min=1) * max(total_samples, 1))
+    raise ValueError(f"unknown loss_reduction {reduction!r}: use 'token_mean' or 'sequence_mean'")
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------
@@ -217,15 +234,16 @@ class Trainer:
                 batch = collate(processor, active[i : i + algo.micro_batch_size])
                 logprobs, entropy = token_logprobs(model, batch, cfg.rollout.temperature)
                 mask = batch["response_mask"]
+                weights = loss_row_weights(mask, algo.loss_reduction, total_tokens, len(active))
                 loss, n_clipped = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                                algo.eps_clip_low, algo.eps_clip_high)
+                                                algo.eps_clip_low, algo.eps_clip_high, weights)
                 if algo.use_kl_loss:
                     with torch.no_grad(), model.disable_adapter():
                         ref_logprobs, _ = token_logprobs(model, batch, cfg.rollout.temperature)
                     log_ratio = ref_logprobs - logprobs
                     kl = (torch.exp(log_ratio) - log_ratio - 1) * mask  # k3 estimator
-                    loss = loss + algo.kl_loss_coef * kl.sum()
-                (loss / max(total_tokens, 1)).backward()
+                    loss = loss + algo.kl_loss_coef * (kl * weights[:, None]).sum()
+                loss.backward()
                 loss_sum += loss.item()
                 clipped += n_clipped.item()
                 entropy_sum += (entropy * mask).sum().item()
@@ -248,7 +266,7 @@ class Trainer:
             "train/active_samples": len(active),
             "policy/entropy": entropy_sum / max(total_tokens, 1),
             "policy/clip_fraction": clipped / max(total_tokens * algo.update_epochs, 1),
-            "policy/loss": loss_sum / max(total_tokens * algo.update_epochs, 1),
+            "policy/loss": loss_sum / algo.update_epochs,
             "policy/grad_norm": grad_norm,
             "timing/rollout_s": round(rollout_s, 3),
             "timing/train_s": round(train_s, 3),

@@ -66,12 +66,19 @@ def turn_is_well_formatted(text: str) -> bool:
     return all(tag_content(text, tag) for tag in FORMAT_TAGS)
 
 
-def episode_reward(solved: bool, turn_texts: list[str], mode: str) -> float:
-    """Returns the episode reward: `task` = success, `task_format` = 0.8 success + 0.2 share of well-formatted turns."""
+def episode_reward(solved: bool, turn_texts: list[str], mode: str, progress: float = 0.0) -> float:
+    """Returns the episode reward for one reward mode.
+
+    `task` = success; `task_format` = 0.8 success + 0.2 share of well-formatted turns (the SFT recipe);
+    `task_progress` = success, else half the share of the shortest path covered (`progress`, 0..1): a
+    denser signal for small models, where most groups of 8 would otherwise all fail or all succeed alike.
+    """
     task = 1.0 if solved else 0.0
     if mode == "task":
         return task
     if mode == "task_format":
         share = sum(turn_is_well_formatted(t) for t in turn_texts) / max(len(turn_texts), 1)
         return 0.8 * task + 0.2 * share
-    raise ValueError(f"unknown reward mode {mode!r}: use 'task' or 'task_format'")
+    if mode == "task_progress":
+        return task if solved else 0.5 * min(max(progress, 0.0), 1.0)
+    raise ValueError(f"unknown reward mode {mode!r}: use 'task', 'task_format' or 'task_progress'")

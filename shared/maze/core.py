@@ -164,6 +164,14 @@ def optimal_action_count(maze: Maze) -> int:
     return len(solve(maze)) + 1
 
 
+def path_progress(maze: Maze, position: tuple[int, int]) -> float:
+    """Returns the share of the agent's shortest path to the target covered at `position` (0 if no closer)."""
+    start = len(solve(maze))
+    if start == 0:
+        return 1.0
+    return max(0.0, (start - len(solve(maze, position))) / start)
+
+
 @dataclass
 class MazeEpisode:
     """The mutable state of one episode; `step` applies VisGym's rules and returns feedback."""
