@@ -101,6 +101,26 @@ def test_forward_logprobs_match_generate_scores(tiny):
         assert torch.allclose(forward, torch.tensor(comp.logprobs), atol=1e-4), (forward, comp.logprobs)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_replies_never_contain_vision_placeholders(tiny, temperature):
+    # Found by a T=1.0 GRPO run: a sampled <|image_pad|> in a reply broke the learner's batch.
+    model, processor = tiny
+    engine = LocalEngine(model, processor, max_images_in_context=1)
+    favoured = processor.image_token_id
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: out.index_fill(-1, torch.tensor([favoured]), 50.0))
+    try:
+        completions = engine.generate([_conversation(1), _conversation(2)], temperature=temperature, max_new_tokens=4, seed=0)
+    finally:
+        hook.remove()
+    assert engine.suppress_ids and favoured in engine.suppress_ids
+    for completion in completions:
+        assert not set(completion.token_ids) & set(engine.suppress_ids), completion.token_ids
+    # the replies replay through training without an image/feature mismatch
+    samples = [encode_turn(engine, c, comp) for c, comp in zip([_conversation(1), _conversation(2)], completions)]
+    with torch.no_grad():
+        token_logprobs(model, collate(processor, samples), temperature=1.0)
+
+
 def test_tiny_model_is_deterministic(tmp_path, tiny_model_dir):
     cfg = load_config(None, [f"storage.shared_dir={tmp_path}"], environ={})
     again = build_tiny_model(cfg, tmp_path / "again")

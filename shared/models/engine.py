@@ -95,6 +95,11 @@ class LocalEngine:
         tokenizer = processor.tokenizer
         self.stop_ids = [tokenizer.convert_tokens_to_ids(END_OF_TURN), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
         self.pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        # A reply must never contain vision placeholders: an <|image_pad|> in a reply would shift every image
+        # feature of the training batch that replays it ("Image features and image tokens do not match").
+        vision = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+        self.suppress_ids = [i for i in (tokenizer.convert_tokens_to_ids(t) for t in vision)
+                             if i is not None and i != tokenizer.unk_token_id]
 
     @classmethod
     def from_dir(cls, model_dir, adapter_dir=None, dtype="float32", max_images_in_context=1, device="cpu",
@@ -142,7 +147,7 @@ class LocalEngine:
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
         out = self.model.generate(
             **inputs, max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-            return_dict_in_generate=True, output_logits=True, **sampling,
+            suppress_tokens=self.suppress_ids, return_dict_in_generate=True, output_logits=True, **sampling,
         )
         new_tokens = out.sequences[:, inputs["input_ids"].shape[1]:]
         scale = temperature if temperature > 0 else 1.0
