@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from shared.maze.actions import episode_reward, parse_action, turn_is_well_formatted
-from shared.maze.core import Maze, MazeEpisode, optimal_action_count, path_progress
+from shared.maze.actions import parse_action, score_episode, turn_is_well_formatted
+from shared.maze.core import Maze, MazeEpisode, optimal_action_count
 from shared.maze.prompt import task_prompt
 from shared.maze.render import render_rgb
 from shared.models.chat import assistant_turn, user_turn
@@ -61,8 +61,7 @@ class Episode:
         return sum(turn["action"] is None for turn in self.turns)
 
     def reward(self, mode: str) -> float:
-        progress = path_progress(self.maze, self.episode.position) if mode == "task_progress" else 0.0
-        return episode_reward(self.solved, [t["text"] for t in self.turns], mode, progress)
+        return score_episode(self.episode, [t["text"] for t in self.turns], mode)
 
     def format_rate(self) -> float:
         return sum(turn_is_well_formatted(t["text"]) for t in self.turns) / max(len(self.turns), 1)

@@ -12,8 +12,8 @@ from typing import Any
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from shared.maze.actions import episode_reward, parse_action
-from shared.maze.core import MazeEpisode, generate, path_progress
+from shared.maze.actions import parse_action, score_episode
+from shared.maze.core import MazeEpisode, generate
 from shared.maze.prompt import task_prompt
 from shared.maze.render import data_uri, render_rgb
 
@@ -53,8 +53,7 @@ class MazeEnv(BaseTextEnv):
         parsed = parse_action(action, self.action_style)
         _, feedback = self.episode.step(parsed)
         done = self.episode.done
-        progress = path_progress(self.maze, self.episode.position)
-        reward = episode_reward(self.episode.solved, self.texts, self.reward_mode, progress) if done else 0.0
+        reward = score_episode(self.episode, self.texts, self.reward_mode) if done else 0.0
         observations = []
         if not done:
             picture = render_rgb(self.episode.view(), self.cell_px)
