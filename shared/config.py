@@ -65,6 +65,10 @@ class EnvConfig(Section):
 
 class AlgorithmConfig(Section):
     name: Literal["grpo"] = "grpo"
+    advantage_estimator: Literal["grpo", "gigpo"] = Field(
+        "grpo", description="gigpo adds a step-level advantage over turns taken from the same state (local backend)")
+    step_advantage_weight: float = Field(1.0, ge=0, description="gigpo: weight of the step-level advantage")
+    gamma: float = Field(0.95, gt=0, le=1, description="gigpo: discount of the return each turn is credited with")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     eps_clip_low: float = Field(0.2, gt=0)
@@ -75,6 +79,8 @@ class AlgorithmConfig(Section):
     kl_loss_coef: float = Field(0.001, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     update_epochs: int = Field(1, ge=1)
+    mini_batch_size: int | None = Field(
+        None, ge=1, description="maze groups per optimizer step (SkyRL's policy_mini_batch_size); null = the whole step")
     micro_batch_size: int = Field(16, ge=1)
 
 
@@ -204,9 +210,17 @@ def _describe(error: dict) -> str:
 def parse_config(tree: dict) -> RunConfig:
     """Returns a validated RunConfig from a plain dict; ConfigError names the first bad key."""
     try:
-        return RunConfig.model_validate(tree)
+        cfg = RunConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_describe(exc.errors()[0])) from None
+    algo, rollout = cfg.algorithm, cfg.rollout
+    if algo.mini_batch_size and rollout.train_batch_size % algo.mini_batch_size:
+        raise ConfigError(f"config error: algorithm.mini_batch_size = {algo.mini_batch_size} must divide "
+                          f"rollout.train_batch_size = {rollout.train_batch_size} (SkyRL requires it too)")
+    if cfg.backend == "skyrl" and algo.advantage_estimator != "grpo":
+        raise ConfigError(f"config error: algorithm.advantage_estimator = {algo.advantage_estimator!r} runs on the "
+                          "local backend only; SkyRL's GRPO has no step-level advantage: use grpo with backend=skyrl")
+    return cfg
 
 
 def load_config(

@@ -55,6 +55,8 @@ def test_env_and_cli_overrides(tmp_path):
         ("model.base_model_id=a:b", ["model.base_model_id", "':'"]),
         ("run_id=../etc", ["run_id", "../etc"]),
         ("no-equals-sign", ["key.path=value"]),
+        ("algorithm.mini_batch_size=3", ["algorithm.mini_batch_size", "3", "rollout.train_batch_size"]),
+        ("algorithm.advantage_estimator=ppo", ["algorithm.advantage_estimator", "'ppo'", "gigpo"]),
     ],
 )
 def test_bad_values_name_the_key(override, words):
@@ -64,6 +66,11 @@ def test_bad_values_name_the_key(override, words):
     assert "\n" not in message
     for word in words:
         assert word in message
+
+
+def test_gigpo_is_refused_on_the_skyrl_backend():
+    with pytest.raises(ConfigError, match="local backend only"):
+        load_config(None, ["backend=skyrl", "algorithm.advantage_estimator=gigpo"], environ={})
 
 
 def test_bad_files(tmp_path):

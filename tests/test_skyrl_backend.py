@@ -119,6 +119,9 @@ def test_reference_recipe_lands_in_skyrl_keys(tmp_path):
     assert o["trainer.ckpt_path"] == str(run / "ckpts") and o["trainer.export_path"] == str(run / "exports")
     assert o["trainer.policy.model.lora.lora_sync_path"] == str(run / "lora_sync")
     assert o["environment.env_class"] == "maze_2d"
+    assert o["trainer.policy_mini_batch_size"] == o["trainer.train_batch_size"], "unset: one update per step"
+    tiny = load_config(REPO / "configs/tiny-cpu.yaml", [f"storage.shared_dir={tmp_path}"], environ={})
+    assert skyrl_overrides(tiny, tmp_path / "t", tmp_path / "v")["trainer.policy_mini_batch_size"] == 2
 
 
 def test_data_files_hold_tickets_and_the_eval_set(tmp_path):

@@ -7,12 +7,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.grpo import group_advantages, loss_row_weights, ppo_clip_loss
+from services.trainer.grpo import credit_turns, group_advantages, loss_row_weights, ppo_clip_loss, step_advantages
+from shared.config import AlgorithmConfig
 from shared.storage import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,6 +25,8 @@ MINIMAL = [
     "env.max_turns=4", "env.eval_seeds=0-3", "rollout.max_new_tokens=8", "schedule.total_steps=2",
     "schedule.eval_interval=1", "schedule.ckpt_interval=1", "schedule.hf_save_interval=1",
     "lora.rank=4", "lora.alpha=8", "algorithm.lr=0.01", "rollout.temperature=1.0",
+    # GiGPO and one optimizer step per maze group: the states travel from the Ray workers, resume stays exact
+    "algorithm.advantage_estimator=gigpo", "algorithm.mini_batch_size=1",
 ]
 
 
@@ -33,6 +37,42 @@ def test_equal_rewards_give_zero_advantage():
     # mean 0.5, unbiased std sqrt(1/3): (1 - 0.5) / 0.57735 = 0.866
     assert torch.allclose(adv[2], torch.tensor([0.8660, -0.8660, -0.8660, 0.8660]), atol=1e-3)
     assert torch.allclose(group_advantages(rewards, std_normalize=False)[2], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_step_advantages_credit_the_turn_taken_from_a_shared_state():
+    # One maze, two episodes from start A. Episode 0 goes A -> B and solves in 2 turns; episode 1 goes A -> C,
+    # back to A and runs out of turns. gamma 0.5: episode 0's returns are [0.5, 1.0], episode 1's all 0.
+    rewards, states = [1.0, 0.0], [["A", "B"], ["A", "C", "A"]]
+    # State A was left 3 times with returns 0.5, 0, 0 (mean 1/6); B and C were seen once: no step advantage.
+    plain = step_advantages(rewards, states, gamma=0.5, std_normalize=False)
+    assert [len(turns) for turns in plain] == [2, 3]
+    assert sum(plain, []) == pytest.approx([1 / 3, 0.0, -1 / 6, 0.0, -1 / 6])
+    std = torch.tensor([0.5, 0.0, 0.0]).std().item()  # unbiased, 0.2887
+    normed = step_advantages(rewards, states, gamma=0.5, std_normalize=True)
+    assert sum(normed, []) == pytest.approx([1 / 3 / std, 0.0, -1 / 6 / std, 0.0, -1 / 6 / std], rel=1e-4)
+    # Equal returns from every shared state (here all failed) give nothing, as in GRPO.
+    assert step_advantages([0.0, 0.0], states, gamma=0.5) == [[0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def _played(turns: int, states: list) -> dict:
+    return {"samples": [SimpleNamespace(advantage=None) for _ in range(turns)], "states": states}
+
+
+def test_credit_turns_grpo_and_gigpo():
+    # Group 0: both solved, one with a detour through C (3 turns vs 2). Group 1: one of two solved.
+    episodes = [_played(2, ["A", "B"]), _played(3, ["A", "C", "A"]), _played(1, ["A"]), _played(2, ["A", "D"])]
+    rewards = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    grpo = AlgorithmConfig(std_normalize=False)
+    samples, groups = credit_turns(episodes, rewards, grpo)
+    assert len(samples) == 8
+    assert [[s.advantage for s in g] for g in groups] == [[0.5, -0.5, -0.5]], "the all-solved group has no signal"
+
+    gigpo = AlgorithmConfig(std_normalize=False, advantage_estimator="gigpo", gamma=0.5, step_advantage_weight=2.0)
+    samples, groups = credit_turns(episodes, rewards, gigpo)
+    # Group 0: episode advantages 0; from A the returns were 0.5 (ep 0) and 0.25, 1.0 (ep 1), mean 7/12.
+    assert [s.advantage for s in groups[0]] == pytest.approx([2 * (0.5 - 7 / 12), 2 * (0.25 - 7 / 12), 2 * (1.0 - 7 / 12)])
+    # Group 1: from A the returns were 1.0 and 0.5 * 0: step advantages +-0.5 on top of GRPO's +-0.5.
+    assert [s.advantage for s in groups[1]] == pytest.approx([0.5 + 2 * 0.5, -0.5 - 2 * 0.5, -0.5])
 
 
 def test_ppo_clip_loss_by_hand_and_masks():
@@ -90,7 +130,7 @@ def test_two_step_run_writes_every_artifact(trained):
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     for key in ("reward/mean", "train/solve_rate", "train/format_rate", "train/parse_failures", "train/mean_turns",
-                "policy/entropy", "policy/clip_fraction", "policy/grad_norm", "timing/rollout_s", "timing/train_s",
+                "policy/entropy", "policy/clip_fraction", "policy/grad_norm", "policy/updates", "timing/rollout_s", "timing/train_s",
                 "timing/sync_s", "throughput/rollout_tokens_per_s"):
         assert key in metrics[0], key
     for step in (0, 1, 2):

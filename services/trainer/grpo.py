@@ -51,6 +51,61 @@ def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: flo
     return centred
 
 
+def step_advantages(rewards: list[float], states: list[list], gamma: float, std_normalize: bool = True,
+                    eps: float = 1e-6) -> list[list[float]]:
+    """Returns GiGPO's step-level advantages for one group: the episodes of one maze, [episode][turn].
+
+    Turn t of an episode that ends after T turns with reward r returns gamma**(T-1-t) * r. Turns taken from
+    the same anchor state (`states[e][t]`: what the agent saw, here its position in the maze) form a step
+    group; a turn's advantage is its return minus its step group's mean (/ std). A state seen once gives 0.
+    This credits the turn that decided an episode, e.g. the branch taken at a junction, rather than every turn.
+    """
+    returns = [[gamma ** (len(turns) - 1 - t) * reward for t in range(len(turns))]
+               for reward, turns in zip(rewards, states)]
+    by_state: dict = {}
+    for e, turns in enumerate(states):
+        for t, state in enumerate(turns):
+            by_state.setdefault(state, []).append((e, t))
+    out = [[0.0] * len(turns) for turns in states]
+    for members in by_state.values():
+        if len(members) < 2:
+            continue
+        values = torch.tensor([returns[e][t] for e, t in members], dtype=torch.float64)
+        centred = values - values.mean()
+        if std_normalize:
+            centred = centred / (values.std(unbiased=True) + eps)
+        for (e, t), value in zip(members, centred.tolist()):
+            out[e][t] = value
+    return out
+
+
+def credit_turns(episodes: list[dict], rewards: torch.Tensor, algo) -> tuple[list, list[list]]:
+    """Sets each turn's advantage; returns (every sample, the samples of each group that carries signal).
+
+    episodes: the step's results, groups of n consecutive episodes of one maze, each with its per-turn
+    `samples` (and `states` for gigpo); rewards: [groups, n]. A turn's advantage is its episode's GRPO
+    advantage, plus `step_advantage_weight` x its step-level advantage under gigpo. Zero-advantage samples
+    give zero policy gradient (no KL term by default), so they are left out of the groups to train on.
+    """
+    n = rewards.shape[1]
+    samples, groups = [], []
+    for g, row in enumerate(group_advantages(rewards, algo.std_normalize).tolist()):
+        played = episodes[g * n : (g + 1) * n]
+        steps = [[0.0] * len(e["samples"]) for e in played]
+        if algo.advantage_estimator == "gigpo":
+            steps = step_advantages(rewards[g].tolist(), [e["states"] for e in played], algo.gamma, algo.std_normalize)
+        group = []
+        for episode, advantage, per_turn in zip(played, row, steps):
+            for sample, step_advantage in zip(episode["samples"], per_turn):
+                sample.advantage = advantage + algo.step_advantage_weight * step_advantage
+                group.append(sample)
+        samples.extend(group)
+        kept = group if algo.use_kl_loss else [s for s in group if s.advantage != 0.0]
+        if kept:
+            groups.append(kept)
+    return samples, groups
+
+
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                   response_mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.2,
                   row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,46 +268,47 @@ class Trainer:
 
         # 2. reward -> 3. advantage: normalised within each maze's group of n samples
         rewards = torch.tensor([e["reward"] for e in episodes], dtype=torch.float32).view(-1, n)  # [groups, n]
-        advantages = group_advantages(rewards, algo.std_normalize).view(-1)
-        samples = []
-        for episode, advantage in zip(episodes, advantages.tolist()):
-            for sample in episode["samples"]:
-                sample.advantage = advantage
-                samples.append(sample)
-        # Zero-advantage samples give zero policy gradient (no KL term by default): skip their compute.
-        active = [s for s in samples if s.advantage != 0.0] if not algo.use_kl_loss else samples
+        samples, groups = credit_turns(episodes, rewards, algo)
+        # Mini-batches of maze groups, one optimizer step each (SkyRL's policy_mini_batch_size); groups without
+        # signal were dropped, so every update sees only groups that carry a learning signal.
+        per_update = algo.mini_batch_size or cfg.rollout.train_batch_size
+        mini_batches = [[s for group in groups[i : i + per_update] for s in group]
+                        for i in range(0, len(groups), per_update)]
+        active = [s for mini in mini_batches for s in mini]
 
-        # 4. loss -> 5. update: token-level PPO-clip over assistant tokens, token_mean, one optimizer step
+        # 4. loss -> 5. update: token-level PPO-clip over assistant tokens, token_mean within each mini-batch
         started = time.perf_counter()
         model.train()
-        total_tokens = sum(sum(s.response_mask) for s in active)
-        loss_sum = clipped = entropy_sum = 0.0
-        grad_norm = 0.0
+        loss_sum = clipped = entropy_sum = grad_norm_sum = 0.0
+        updates = 0
         for _ in range(algo.update_epochs):
-            optimizer.zero_grad()
-            for i in range(0, len(active), algo.micro_batch_size):
-                batch = collate(processor, active[i : i + algo.micro_batch_size])
-                logprobs, entropy = token_logprobs(model, batch, cfg.rollout.temperature)
-                mask = batch["response_mask"]
-                weights = loss_row_weights(mask, algo.loss_reduction, total_tokens, len(active))
-                loss, n_clipped = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                                algo.eps_clip_low, algo.eps_clip_high, weights)
-                if algo.use_kl_loss:
-                    with torch.no_grad(), model.disable_adapter():
-                        ref_logprobs, _ = token_logprobs(model, batch, cfg.rollout.temperature)
-                    log_ratio = ref_logprobs - logprobs
-                    kl = (torch.exp(log_ratio) - log_ratio - 1) * mask  # k3 estimator
-                    loss = loss + algo.kl_loss_coef * (kl * weights[:, None]).sum()
-                loss.backward()
-                loss_sum += loss.item()
-                clipped += n_clipped.item()
-                entropy_sum += (entropy * mask).sum().item()
-            if active:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, algo.max_grad_norm).item()
+            for mini in mini_batches:
+                optimizer.zero_grad()
+                mini_tokens = sum(sum(s.response_mask) for s in mini)
+                for i in range(0, len(mini), algo.micro_batch_size):
+                    batch = collate(processor, mini[i : i + algo.micro_batch_size])
+                    logprobs, entropy = token_logprobs(model, batch, cfg.rollout.temperature)
+                    mask = batch["response_mask"]
+                    weights = loss_row_weights(mask, algo.loss_reduction, mini_tokens, len(mini))
+                    loss, n_clipped = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                                    algo.eps_clip_low, algo.eps_clip_high, weights)
+                    if algo.use_kl_loss:
+                        with torch.no_grad(), model.disable_adapter():
+                            ref_logprobs, _ = token_logprobs(model, batch, cfg.rollout.temperature)
+                        log_ratio = ref_logprobs - logprobs
+                        kl = (torch.exp(log_ratio) - log_ratio - 1) * mask  # k3 estimator
+                        loss = loss + algo.kl_loss_coef * (kl * weights[:, None]).sum()
+                    loss.backward()
+                    loss_sum += loss.item()
+                    clipped += n_clipped.item()
+                    entropy_sum += (entropy * mask).sum().item()
+                grad_norm_sum += torch.nn.utils.clip_grad_norm_(params, algo.max_grad_norm).item()
                 optimizer.step()
+                updates += 1
         model.eval()
         train_s = time.perf_counter() - started
 
+        total_tokens = sum(sum(s.response_mask) for s in active)
         all_tokens = sum(len(s.input_ids) for s in samples)
         return {
             "step": step,
@@ -264,10 +320,11 @@ class Trainer:
             "train/groups_with_signal": int((rewards.std(dim=1) > 0).sum().item()),
             "train/samples": len(samples),
             "train/active_samples": len(active),
-            "policy/entropy": entropy_sum / max(total_tokens, 1),
+            "policy/entropy": entropy_sum / max(total_tokens * algo.update_epochs, 1),
             "policy/clip_fraction": clipped / max(total_tokens * algo.update_epochs, 1),
-            "policy/loss": loss_sum / algo.update_epochs,
-            "policy/grad_norm": grad_norm,
+            "policy/loss": loss_sum / max(updates, 1),
+            "policy/grad_norm": grad_norm_sum / max(updates, 1),
+            "policy/updates": updates,
             "timing/rollout_s": round(rollout_s, 3),
             "timing/train_s": round(train_s, 3),
             "throughput/rollout_tokens_per_s": round(all_tokens / max(rollout_s, 1e-9), 1),

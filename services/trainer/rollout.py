@@ -90,6 +90,7 @@ class RolloutWorker:
                     "parse_failures": episode.parse_failures,
                     "format_rate": episode.format_rate(),
                     "samples": samples,
+                    "states": [tuple(p) for p in episode.episode.trace[: len(samples)]],  # position before each turn
                 }
             )
         return results

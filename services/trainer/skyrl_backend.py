@@ -95,7 +95,7 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "trainer.epochs": 1,
         "trainer.max_training_steps": s.total_steps,
         "trainer.train_batch_size": r.train_batch_size,
-        "trainer.policy_mini_batch_size": r.train_batch_size,
+        "trainer.policy_mini_batch_size": a.mini_batch_size or r.train_batch_size,
         "trainer.micro_train_batch_size_per_gpu": a.micro_batch_size,
         "trainer.micro_forward_batch_size_per_gpu": a.micro_batch_size,
         "trainer.update_epochs_per_batch": a.update_epochs,
