@@ -53,6 +53,8 @@ class EnvConfig(Section):
     eval_env: str = "maze_2d/easy"
     eval_seeds: str = Field("0-63", pattern=r"^\d+-\d+$")
     train_seed_start: int = Field(1_000_000, ge=0)
+    train_solvable_only: bool = Field(
+        False, description="GRPO skips training mazes a perfect agent cannot solve in max_turns (never rewarded)")
 
     @field_validator("id", "eval_env")
     @classmethod

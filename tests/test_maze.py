@@ -22,7 +22,7 @@ from shared.maze import (
     render_text,
     solve,
 )
-from shared.maze.core import MOVES, path_progress
+from shared.maze.core import MOVES, optimal_action_count, path_progress
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "visgym_reference.json").read_text())
 REPO = Path(__file__).resolve().parent.parent
@@ -163,3 +163,11 @@ def test_training_tickets_exclude_eval_mazes_by_content():
     resumed = TrainingTickets("maze_2d/easy", hashes, start=0)
     resumed.load_state(TrainingTickets("maze_2d/easy", hashes, start=0).state())
     assert [m.seed for m in resumed.take(10)] == [m.seed for m in taken[:10]]
+
+
+def test_training_tickets_can_skip_mazes_no_agent_solves_in_budget():
+    every = TrainingTickets("maze_2d/easy", set(), start=1_000_000).take(60)
+    solvable = TrainingTickets("maze_2d/easy", set(), start=1_000_000, max_actions=15).take(30)
+    assert any(optimal_action_count(m) > 15 for m in every), "the plain stream holds unsolvable mazes"
+    assert all(optimal_action_count(m) <= 15 for m in solvable)
+    assert [m.seed for m in solvable] == [m.seed for m in every if optimal_action_count(m) <= 15][:30]

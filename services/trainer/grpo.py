@@ -196,7 +196,8 @@ class Trainer:
         optimizer = torch.optim.AdamW(params, lr=cfg.algorithm.lr, weight_decay=cfg.algorithm.weight_decay)
         eval_set = eval_set_of(cfg)
         eval_set.save(volume.dataset(cfg.env.eval_env))
-        tickets = TrainingTickets(cfg.env.id, eval_set.content_hashes(), cfg.env.train_seed_start)
+        tickets = TrainingTickets(cfg.env.id, eval_set.content_hashes(), cfg.env.train_seed_start,
+                                  cfg.env.max_turns if cfg.env.train_solvable_only else None)
 
         step = 0
         if cfg.schedule.resume_mode == "latest":

@@ -76,14 +76,16 @@ class EvalSet:
 
 
 class TrainingTickets:
-    """Training mazes: seeds from `start` upward, skipping any maze whose content equals an eval maze.
+    """Training mazes: seeds from `start` upward, skipping any maze whose content equals an eval maze
+    (and, with `max_actions`, any maze that needs more actions than that).
 
     The cursor is the next seed to try, so a checkpointed cursor resumes the exact same stream.
     """
 
-    def __init__(self, env_id: str, excluded: set[str], start: int = 1_000_000):
+    def __init__(self, env_id: str, excluded: set[str], start: int = 1_000_000, max_actions: int | None = None):
         self.env_id = env_id
         self.excluded = excluded
+        self.max_actions = max_actions  # skip mazes whose shortest solution takes more actions (None: keep all)
         self.cursor = start
         self.rejected = 0
 
@@ -99,6 +101,8 @@ class TrainingTickets:
             self.cursor += 1
             if maze.content_hash() in self.excluded:
                 self.rejected += 1
+                continue
+            if self.max_actions is not None and optimal_action_count(maze) > self.max_actions:
                 continue
             return maze
 
