@@ -91,9 +91,10 @@ def credit_turns(episodes: list[dict], rewards: torch.Tensor, algo) -> tuple[lis
     samples, groups = [], []
     for g, row in enumerate(group_advantages(rewards, algo.std_normalize).tolist()):
         played = episodes[g * n : (g + 1) * n]
-        steps = [[0.0] * len(e["samples"]) for e in played]
         if algo.advantage_estimator == "gigpo":
             steps = step_advantages(rewards[g].tolist(), [e["states"] for e in played], algo.gamma, algo.std_normalize)
+        else:
+            steps = [[0.0] * len(e["samples"]) for e in played]
         group = []
         for episode, advantage, per_turn in zip(played, row, steps):
             for sample, step_advantage in zip(episode["samples"], per_turn):
@@ -196,8 +197,7 @@ class Trainer:
         optimizer = torch.optim.AdamW(params, lr=cfg.algorithm.lr, weight_decay=cfg.algorithm.weight_decay)
         eval_set = eval_set_of(cfg)
         eval_set.save(volume.dataset(cfg.env.eval_env))
-        tickets = TrainingTickets(cfg.env.id, eval_set.content_hashes(), cfg.env.train_seed_start,
-                                  cfg.env.max_turns if cfg.env.train_solvable_only else None)
+        tickets = TrainingTickets.for_rl(cfg.env, eval_set.content_hashes())
 
         step = 0
         if cfg.schedule.resume_mode == "latest":
@@ -275,7 +275,7 @@ class Trainer:
         per_update = algo.mini_batch_size or cfg.rollout.train_batch_size
         mini_batches = [[s for group in groups[i : i + per_update] for s in group]
                         for i in range(0, len(groups), per_update)]
-        active = [s for mini in mini_batches for s in mini]
+        active = [s for group in groups for s in group]
 
         # 4. loss -> 5. update: token-level PPO-clip over assistant tokens, token_mean within each mini-batch
         started = time.perf_counter()

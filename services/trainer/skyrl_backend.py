@@ -51,8 +51,7 @@ def data_files(cfg: RunConfig) -> tuple[Path, Path]:
                        for s in seeds)
 
     eval_set = EvalSet(env.eval_env, parse_seeds(env.eval_seeds), env.max_turns)
-    tickets = TrainingTickets(env.id, eval_set.content_hashes(), env.train_seed_start,
-                              env.max_turns if env.train_solvable_only else None)
+    tickets = TrainingTickets.for_rl(env, eval_set.content_hashes())
     count = cfg.rollout.train_batch_size * max(cfg.schedule.total_steps, 1) * TRAIN_TICKETS_PER_STEP_MARGIN
     train = folder / "train.jsonl"
     val = folder / "val.jsonl"

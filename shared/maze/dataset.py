@@ -89,6 +89,11 @@ class TrainingTickets:
         self.cursor = start
         self.rejected = 0
 
+    @classmethod
+    def for_rl(cls, env, excluded: set[str]) -> TrainingTickets:
+        """Returns the RL ticket stream an `env` config section asks for (only solvable mazes if it says so)."""
+        return cls(env.id, excluded, env.train_seed_start, env.max_turns if env.train_solvable_only else None)
+
     def take(self, count: int) -> list[Maze]:
         return [next(self) for _ in range(count)]
 
