@@ -67,8 +67,9 @@ class EnvConfig(Section):
 
 class AlgorithmConfig(Section):
     name: Literal["grpo"] = "grpo"
-    advantage_estimator: Literal["grpo", "gigpo"] = Field(
-        "grpo", description="gigpo adds a step-level advantage over turns taken from the same state (local backend)")
+    advantage_estimator: Literal["grpo", "gigpo", "branch"] = Field(
+        "grpo", description="gigpo adds a step-level advantage over turns taken from the same state; branch "
+        "splits GRPO's advantage over the turns where a group's episodes branch (both local backend only)")
     step_advantage_weight: float = Field(1.0, ge=0, description="gigpo: weight of the step-level advantage")
     gamma: float = Field(0.95, gt=0, le=1, description="gigpo: discount of the return each turn is credited with")
     lr: float = Field(1e-6, gt=0)
@@ -221,7 +222,7 @@ def parse_config(tree: dict) -> RunConfig:
                           f"rollout.train_batch_size = {rollout.train_batch_size} (SkyRL requires it too)")
     if cfg.backend == "skyrl" and algo.advantage_estimator != "grpo":
         raise ConfigError(f"config error: algorithm.advantage_estimator = {algo.advantage_estimator!r} runs on the "
-                          "local backend only; SkyRL's GRPO has no step-level advantage: use grpo with backend=skyrl")
+                          "local backend only; SkyRL's GRPO has no turn-level advantage: use grpo with backend=skyrl")
     return cfg
 
 

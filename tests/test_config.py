@@ -56,7 +56,7 @@ def test_env_and_cli_overrides(tmp_path):
         ("run_id=../etc", ["run_id", "../etc"]),
         ("no-equals-sign", ["key.path=value"]),
         ("algorithm.mini_batch_size=3", ["algorithm.mini_batch_size", "3", "rollout.train_batch_size"]),
-        ("algorithm.advantage_estimator=ppo", ["algorithm.advantage_estimator", "'ppo'", "gigpo"]),
+        ("algorithm.advantage_estimator=ppo", ["algorithm.advantage_estimator", "'ppo'", "gigpo", "branch"]),
     ],
 )
 def test_bad_values_name_the_key(override, words):
@@ -68,9 +68,10 @@ def test_bad_values_name_the_key(override, words):
         assert word in message
 
 
-def test_gigpo_is_refused_on_the_skyrl_backend():
-    with pytest.raises(ConfigError, match="local backend only"):
-        load_config(None, ["backend=skyrl", "algorithm.advantage_estimator=gigpo"], environ={})
+@pytest.mark.parametrize("estimator", ["gigpo", "branch"])
+def test_turn_level_estimators_are_refused_on_the_skyrl_backend(estimator):
+    with pytest.raises(ConfigError, match=f"'{estimator}' runs on the local backend only"):
+        load_config(None, ["backend=skyrl", f"algorithm.advantage_estimator={estimator}"], environ={})
 
 
 def test_bad_files(tmp_path):

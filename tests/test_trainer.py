@@ -13,7 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.grpo import credit_turns, group_advantages, loss_row_weights, ppo_clip_loss, step_advantages
+from services.trainer.grpo import (
+    branch_advantages,
+    credit_turns,
+    group_advantages,
+    loss_row_weights,
+    ppo_clip_loss,
+    step_advantages,
+)
 from shared.config import AlgorithmConfig
 from shared.storage import verify_manifest
 
@@ -54,6 +61,26 @@ def test_step_advantages_credit_the_turn_taken_from_a_shared_state():
     assert step_advantages([0.0, 0.0], states, gamma=0.5) == [[0.0, 0.0], [0.0, 0.0, 0.0]]
 
 
+def test_branch_advantages_credit_only_the_turns_after_which_outcomes_differ():
+    # Four episodes of one maze from A. Two go A -> B -> D and solve; one goes A -> B -> E and fails; one goes
+    # A -> C and fails. Node values (mean reward of the episodes there): A 1/2, B 2/3, C 0, D 1, E 0.
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    states = [["A", "B", "D"], ["A", "B", "E"], ["A", "C"], ["A", "B", "D"]]
+    plain = branch_advantages(rewards, states, std_normalize=False)
+    assert plain[0] == pytest.approx([2 / 3 - 1 / 2, 1 - 2 / 3, 0.0]) and plain[3] == plain[0]
+    assert plain[1] == pytest.approx([2 / 3 - 1 / 2, 0 - 2 / 3, 0.0])
+    assert plain[2] == pytest.approx([0 - 1 / 2, 0.0])
+    # Each episode's advantages sum to GRPO's (reward minus the group mean); past the last branch exactly 0.
+    grpo = group_advantages(torch.tensor([rewards]), std_normalize=False)[0].tolist()
+    assert [sum(turns) for turns in plain] == pytest.approx(grpo)
+    assert plain[0][2] == 0.0 and plain[2][1] == 0.0
+    normed = branch_advantages(rewards, states, std_normalize=True)
+    std = torch.tensor(rewards).std().item()
+    assert sum(normed, []) == pytest.approx([a / std for a in sum(plain, [])], rel=1e-5)
+    # A shared opening and equal outcomes carry nothing.
+    assert branch_advantages([0.0, 0.0], [["A", "B"], ["A", "B", "B"]]) == [[0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
 def _played(turns: int, states: list) -> dict:
     return {"samples": [SimpleNamespace(advantage=None) for _ in range(turns)], "states": states}
 
@@ -73,6 +100,14 @@ def test_credit_turns_grpo_and_gigpo():
     assert [s.advantage for s in groups[0]] == pytest.approx([2 * (0.5 - 7 / 12), 2 * (0.25 - 7 / 12), 2 * (1.0 - 7 / 12)])
     # Group 1: from A the returns were 1.0 and 0.5 * 0: step advantages +-0.5 on top of GRPO's +-0.5.
     assert [s.advantage for s in groups[1]] == pytest.approx([0.5 + 2 * 0.5, -0.5 - 2 * 0.5, -0.5])
+
+
+def test_credit_turns_branch_keeps_only_turns_with_advantage():
+    episodes = [_played(3, ["A", "B", "D"]), _played(3, ["A", "B", "E"]), _played(2, ["A", "C"]), _played(3, ["A", "B", "D"])]
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    samples, groups = credit_turns(episodes, rewards, AlgorithmConfig(std_normalize=False, advantage_estimator="branch"))
+    assert len(samples) == 11
+    assert [s.advantage for s in groups[0]] == pytest.approx([1 / 6, 1 / 3, 1 / 6, -2 / 3, -1 / 2, 1 / 6, 1 / 3])
 
 
 def test_ppo_clip_loss_by_hand_and_masks():

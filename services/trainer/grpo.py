@@ -10,6 +10,7 @@ complete checkpoint, reproducing the uninterrupted run (rollout seeds depend onl
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -79,26 +80,59 @@ def step_advantages(rewards: list[float], states: list[list], gamma: float, std_
     return out
 
 
+def branch_advantages(rewards: list[float], states: list[list], std_normalize: bool = True,
+                      eps: float = 1e-6) -> list[list[float]]:
+    """Returns GRPO's advantage split over the turns where one group's episodes branch, [episode][turn].
+
+    The value of (turn t, state s) is the mean reward of the group's episodes that were in s before turn t;
+    a turn's advantage is the value of where it led (the next turn's node, or the episode's own reward after
+    its last turn) minus the value of where it was taken. In a deterministic maze that is Q(s, a) - V(s)
+    estimated from the group. An episode's advantages sum to its reward minus the group mean, GRPO's
+    advantage, but only the turns after which outcomes differ get any: the shared opening of a group and
+    everything past the last branch get exactly zero. Divided by the group's reward std as in GRPO.
+    """
+    members: dict = {}
+    for e, turns in enumerate(states):
+        for t, state in enumerate(turns):
+            members.setdefault((t, state), []).append(e)
+    value = {node: math.fsum(rewards[e] for e in group) / len(group) for node, group in members.items()}
+    scale = 1.0
+    if std_normalize and len(rewards) > 1:
+        scale = 1.0 / (float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=True)) + eps)
+    out = []
+    for e, turns in enumerate(states):
+        here = [value[(t, state)] for t, state in enumerate(turns)]
+        after = here[1:] + [rewards[e]]
+        out.append([(a - h) * scale if a != h else 0.0 for h, a in zip(here, after)])
+    return out
+
+
 def credit_turns(episodes: list[dict], rewards: torch.Tensor, algo) -> tuple[list, list[list]]:
     """Sets each turn's advantage; returns (every sample, the samples of each group that carries signal).
 
     episodes: the step's results, groups of n consecutive episodes of one maze, each with its per-turn
-    `samples` (and `states` for gigpo); rewards: [groups, n]. A turn's advantage is its episode's GRPO
-    advantage, plus `step_advantage_weight` x its step-level advantage under gigpo. Zero-advantage samples
-    give zero policy gradient (no KL term by default), so they are left out of the groups to train on.
+    `samples` (and `states` for gigpo and branch); rewards: [groups, n]. A turn's advantage is its episode's
+    GRPO advantage, plus `step_advantage_weight` x its step-level advantage under gigpo; under branch it is
+    the episode's GRPO advantage split over its turns (`branch_advantages`). Zero-advantage samples give
+    zero policy gradient (no KL term by default), so they are left out of the groups to train on.
     """
     n = rewards.shape[1]
     samples, groups = [], []
     for g, row in enumerate(group_advantages(rewards, algo.std_normalize).tolist()):
         played = episodes[g * n : (g + 1) * n]
-        if algo.advantage_estimator == "gigpo":
-            steps = step_advantages(rewards[g].tolist(), [e["states"] for e in played], algo.gamma, algo.std_normalize)
+        states = [e.get("states") for e in played]
+        if algo.advantage_estimator == "branch":
+            row = [0.0] * n  # the episode advantage is spread over its turns instead
+            steps = branch_advantages(rewards[g].tolist(), states, algo.std_normalize)
+        elif algo.advantage_estimator == "gigpo":
+            steps = [[algo.step_advantage_weight * a for a in turns]
+                     for turns in step_advantages(rewards[g].tolist(), states, algo.gamma, algo.std_normalize)]
         else:
             steps = [[0.0] * len(e["samples"]) for e in played]
         group = []
         for episode, advantage, per_turn in zip(played, row, steps):
             for sample, step_advantage in zip(episode["samples"], per_turn):
-                sample.advantage = advantage + algo.step_advantage_weight * step_advantage
+                sample.advantage = advantage + step_advantage
                 group.append(sample)
         samples.extend(group)
         kept = group if algo.use_kl_loss else [s for s in group if s.advantage != 0.0]
