@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -96,14 +97,12 @@ def branch_advantages(rewards: list[float], states: list[list], std_normalize: b
         for t, state in enumerate(turns):
             members.setdefault((t, state), []).append(e)
     value = {node: math.fsum(rewards[e] for e in group) / len(group) for node, group in members.items()}
-    scale = 1.0
-    if std_normalize and len(rewards) > 1:
-        scale = 1.0 / (float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=True)) + eps)
+    scale = 1.0 / (statistics.stdev(rewards) + eps) if std_normalize and len(rewards) > 1 else 1.0
     out = []
     for e, turns in enumerate(states):
         here = [value[(t, state)] for t, state in enumerate(turns)]
         after = here[1:] + [rewards[e]]
-        out.append([(a - h) * scale if a != h else 0.0 for h, a in zip(here, after)])
+        out.append([(a - h) * scale for h, a in zip(here, after)])  # equal values give exactly 0.0
     return out
 
 
@@ -122,17 +121,17 @@ def credit_turns(episodes: list[dict], rewards: torch.Tensor, algo) -> tuple[lis
         played = episodes[g * n : (g + 1) * n]
         states = [e.get("states") for e in played]
         if algo.advantage_estimator == "branch":
-            row = [0.0] * n  # the episode advantage is spread over its turns instead
-            steps = branch_advantages(rewards[g].tolist(), states, algo.std_normalize)
-        elif algo.advantage_estimator == "gigpo":
-            steps = [[algo.step_advantage_weight * a for a in turns]
-                     for turns in step_advantages(rewards[g].tolist(), states, algo.gamma, algo.std_normalize)]
+            per_turn = branch_advantages(rewards[g].tolist(), states, algo.std_normalize)
         else:
-            steps = [[0.0] * len(e["samples"]) for e in played]
+            per_turn = [[advantage] * len(e["samples"]) for advantage, e in zip(row, played)]
+        if algo.advantage_estimator == "gigpo":
+            steps = step_advantages(rewards[g].tolist(), states, algo.gamma, algo.std_normalize)
+            per_turn = [[a + algo.step_advantage_weight * b for a, b in zip(turns, extra)]
+                        for turns, extra in zip(per_turn, steps)]
         group = []
-        for episode, advantage, per_turn in zip(played, row, steps):
-            for sample, step_advantage in zip(episode["samples"], per_turn):
-                sample.advantage = advantage + step_advantage
+        for episode, advantages in zip(played, per_turn):
+            for sample, advantage in zip(episode["samples"], advantages):
+                sample.advantage = advantage
                 group.append(sample)
         samples.extend(group)
         kept = group if algo.use_kl_loss else [s for s in group if s.advantage != 0.0]
