@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from shared.maze.actions import parse_action, score_episode, turn_is_well_formatted
-from shared.maze.core import Maze, MazeEpisode, optimal_action_count
+from shared.maze.core import Maze, MazeEpisode, first_mistake, optimal_action_count
 from shared.maze.prompt import task_prompt
 from shared.maze.render import render_rgb
 from shared.models.chat import assistant_turn, user_turn
@@ -76,6 +76,7 @@ class Episode:
             "optimal_actions": optimal_action_count(self.maze),
             "parse_failures": self.parse_failures,
             "error": self.error,
+            "first_mistake": first_mistake(self.maze, [turn["action"] for turn in self.turns]),
             "trace": [list(p) for p in self.episode.trace],
             "steps": self.turns,
         }

@@ -21,10 +21,17 @@ def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: s
     solved = sum(e.solved for e in episodes)
     oracle = eval_set.oracle_solved()
     by_length: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    failures: dict[str, int] = defaultdict(int)
+    branch_cells: dict[int, int] = defaultdict(int)
     for e in episodes:
-        record = by_length[e.record()["optimal_actions"]]
-        record[0] += int(e.solved)
-        record[1] += 1
+        record = e.record()
+        by_length[record["optimal_actions"]][0] += int(e.solved)
+        by_length[record["optimal_actions"]][1] += 1
+        if not e.solved:
+            kind = failure_kind(record, eval_set.max_turns)
+            failures[kind] += 1
+            if kind == "wrong_branch":
+                branch_cells[record["first_mistake"]["branch_cells"]] += 1
     turns = [len(e.turns) for e in episodes]
     summary = {
         "env": eval_set.env_id,
@@ -40,11 +47,23 @@ def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: s
         "mean_turns": sum(turns) / max(total, 1),
         "errors": sum(e.error is not None for e in episodes),
         "by_optimal_actions": {str(k): {"solved": v[0], "total": v[1]} for k, v in sorted(by_length.items())},
+        "failures": dict(sorted(failures.items())),  # why unsolved mazes failed: see failure_kind
+        "wrong_branch_cells": {str(k): v for k, v in sorted(branch_cells.items())},
         "model": model,
         "adapter": adapter,
     }
     summary.update(extra or {})
     return summary
+
+
+def failure_kind(record: dict, max_turns: int) -> str:
+    """Returns why an unsolved episode (an `episodes.jsonl` record) failed: `beyond_ceiling` when no agent
+    solves its maze in `max_turns`, `engine_error`, else the kind of its first mistake (`first_mistake`)."""
+    if record["optimal_actions"] > max_turns:
+        return "beyond_ceiling"
+    if record["error"]:
+        return "engine_error"
+    return record["first_mistake"]["kind"]
 
 
 def evaluate(engine, eval_set: EvalSet, settings: EpisodeSettings, out_dir: str | Path | None = None,

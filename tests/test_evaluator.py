@@ -43,9 +43,11 @@ def test_outputs(evaluation):
         assert key in summary, key
     assert summary["total"] == 64 and summary["seeds"] == "0-63" and summary["max_turns"] == 2
     assert summary["oracle_solved"] == 0  # no maze is solvable in 2 turns
+    assert summary["failures"] == {"beyond_ceiling": 64} and summary["wrong_branch_cells"] == {}
     lines = (out / "episodes.jsonl").read_text().splitlines()
     first = json.loads(lines[0])
     assert len(lines) == 64 and {"text", "action", "feedback", "position"} <= set(first["steps"][0])
+    assert "first_mistake" in first
     assert len(list((out / "gifs").glob("seed_*.gif"))) == 64
     assert "oracle ceiling 0/64" in proc.stdout
 

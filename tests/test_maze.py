@@ -22,7 +22,7 @@ from shared.maze import (
     render_text,
     solve,
 )
-from shared.maze.core import MOVES, optimal_action_count, path_progress
+from shared.maze.core import MOVES, first_mistake, optimal_action_count, path_progress
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "visgym_reference.json").read_text())
 REPO = Path(__file__).resolve().parent.parent
@@ -95,6 +95,36 @@ def test_step_semantics_walls_stop_and_budget():
     assert ep.done and not ep.solved, "out of turns ends the episode with 0"
     with pytest.raises(RuntimeError):
         ep.step(("stop", "stop"))
+
+
+def test_first_mistake_names_the_first_move_a_perfect_agent_would_not_make():
+    maze = generate("maze_2d/easy", 3)
+    assert render_text(maze) == "\n".join([
+        "#########",
+        "#A  # # #",
+        "# # # # #",
+        "# #     #",
+        "### #####",
+        "# #     #",
+        "# # #####",
+        "#      T#",
+        "#########",
+    ])
+    right, up, left, down = (("move", d) for d in range(4))
+    stop = ("stop", "stop")
+    perfect = [("move", d) for d in solve(maze)]
+    assert perfect[:3] == [right, right, down]
+    assert first_mistake(maze, perfect + [stop]) is None
+    assert first_mistake(maze, perfect[:5]) is None, "perfect so far, only cut short"
+    # down from the start enters a dead end of two floor cells, in plain sight
+    assert first_mistake(maze, [down, up, right]) == {"turn": 0, "kind": "wrong_branch", "branch_cells": 2}
+    # at (3, 3) right leads into the 8-cell branch (3,4)-(3,7), (2,5), (1,5), (2,7), (1,7)
+    assert first_mistake(maze, [right, right, down, down, right]) == {"turn": 4, "kind": "wrong_branch", "branch_cells": 8}
+    assert first_mistake(maze, [right, up]) == {"turn": 1, "kind": "wall"}
+    assert first_mistake(maze, [right, left]) == {"turn": 1, "kind": "backtrack"}
+    assert first_mistake(maze, [right, stop]) == {"turn": 1, "kind": "stop_early"}
+    assert first_mistake(maze, [right, None]) == {"turn": 1, "kind": "unparsed"}
+    assert first_mistake(maze, perfect + [left]) == {"turn": len(perfect), "kind": "missed_stop"}
 
 
 def test_path_progress_follows_the_shortest_path_not_the_straight_line():

@@ -38,12 +38,14 @@ def write_gifs(folder: Path, cell_px: int = 25) -> int:
 
 def _summary_rows(summary: dict) -> str:
     keys = ["env", "seeds", "max_turns", "solved", "total", "solve_rate", "oracle_solved", "share_of_ceiling",
-            "format_rate", "parse_failures", "mean_turns", "errors", "model", "adapter", "elapsed_s"]
+            "format_rate", "parse_failures", "mean_turns", "errors", "failures", "model", "adapter", "elapsed_s"]
     rows = []
     for key in keys:
         value = summary.get(key)
         if isinstance(value, float):
             value = f"{value:.3f}"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{kind} {count}" for kind, count in value.items()) or "none"
         rows.append(f"<tr><th>{key}</th><td>{html.escape(str(value))}</td></tr>")
     return "\n".join(rows)
 
@@ -55,6 +57,9 @@ def write_report(folder: Path, title: str | None = None) -> Path:
     for record in read_jsonl(folder / "episodes.jsonl"):
         state = "solved" if record["solved"] else "failed"
         reason = f" &middot; {html.escape(record['error'][:60])}" if record.get("error") else ""
+        if record.get("first_mistake") and not record["solved"]:
+            mistake = record["first_mistake"]
+            reason += f" &middot; first mistake: {mistake['kind']} at turn {mistake['turn'] + 1}"
         cards.append(
             f'<div class="episode {state}" data-seed="{record["seed"]}">'
             f'<img src="gifs/seed_{record["seed"]}.gif" alt="seed {record["seed"]}">'

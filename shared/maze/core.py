@@ -172,6 +172,56 @@ def path_progress(maze: Maze, position: tuple[int, int]) -> float:
     return max(0.0, (start - len(solve(maze, position))) / start)
 
 
+def distances_to_target(maze: Maze, start: tuple[int, int] | None = None,
+                        blocked: tuple[int, int] | None = None) -> dict[tuple[int, int], int]:
+    """Returns the shortest-path distance (in moves) from `start` (default: the target) to every floor cell
+    it reaches, never passing through `blocked`."""
+    start = start or maze.target
+    dist = {start: 0}
+    queue = deque([start])
+    while queue:
+        cell = queue.popleft()
+        for dr, dc in MOVES.values():
+            nxt = (cell[0] + dr, cell[1] + dc)
+            if maze.maze_map[nxt] == 0 and nxt not in dist and nxt != blocked:
+                dist[nxt] = dist[cell] + 1
+                queue.append(nxt)
+    return dist
+
+
+def first_mistake(maze: Maze, actions: list) -> dict | None:
+    """Returns the first action a perfect agent would not take, as {"turn", "kind"}; None if there is none.
+
+    actions: the parsed actions as played, None for an unparseable reply. Kinds: `wrong_branch`
+    (a step away from the target into a side branch; `branch_cells` is that branch's size in floor cells:
+    2 is a dead end in plain sight, more needs planning), `backtrack` (a step back to the
+    previous cell), `wall` (a move into a wall), `stop_early` (stop off the target), `missed_stop` (a move
+    off the target instead of stop), `unparsed`. Running out of turns after perfect play is not a mistake:
+    that maze is beyond the ceiling.
+    """
+    dist = distances_to_target(maze)
+    position, previous = maze.agent, None
+    for turn, action in enumerate(actions):
+        if action is None:
+            return {"turn": turn, "kind": "unparsed"}
+        on_target = position == maze.target
+        if action[0] == "stop":
+            return None if on_target else {"turn": turn, "kind": "stop_early"}
+        dr, dc = MOVES[int(action[1])]
+        nxt = (position[0] + dr, position[1] + dc)
+        if maze.maze_map[nxt] == 1:
+            return {"turn": turn, "kind": "wall"}
+        if on_target:
+            return {"turn": turn, "kind": "missed_stop"}
+        if dist[nxt] > dist[position]:
+            if nxt == previous:
+                return {"turn": turn, "kind": "backtrack"}
+            branch = distances_to_target(maze, start=nxt, blocked=position)
+            return {"turn": turn, "kind": "wrong_branch", "branch_cells": len(branch)}
+        position, previous = nxt, position
+    return None
+
+
 @dataclass
 class MazeEpisode:
     """The mutable state of one episode; `step` applies VisGym's rules and returns feedback."""
