@@ -135,43 +135,6 @@ def generate(env_id: str, seed: int) -> Maze:
     return Maze(maze_map=maze_map, agent=agent, target=target, env_id=env_id, seed=seed)
 
 
-def solve(maze: Maze, start: tuple[int, int] | None = None) -> list[int]:
-    """Returns the shortest list of move directions from `start` (default: the agent) to the target."""
-    start = start or maze.agent
-    prev: dict[tuple[int, int], tuple[tuple[int, int], int] | None] = {start: None}
-    queue = deque([start])
-    while queue:
-        cell = queue.popleft()
-        if cell == maze.target:
-            break
-        for d, (dr, dc) in MOVES.items():
-            nxt = (cell[0] + dr, cell[1] + dc)
-            if maze.maze_map[nxt] == 0 and nxt not in prev:
-                prev[nxt] = (cell, d)
-                queue.append(nxt)
-    if maze.target not in prev:
-        raise ValueError(f"maze seed={maze.seed} has no path from {start} to {maze.target}")
-    moves: list[int] = []
-    cell = maze.target
-    while prev[cell] is not None:
-        cell, d = prev[cell]  # type: ignore[misc]
-        moves.append(d)
-    return moves[::-1]
-
-
-def optimal_action_count(maze: Maze) -> int:
-    """Returns the number of actions a perfect agent needs: the shortest path plus `stop`."""
-    return len(solve(maze)) + 1
-
-
-def path_progress(maze: Maze, position: tuple[int, int]) -> float:
-    """Returns the share of the agent's shortest path to the target covered at `position` (0 if no closer)."""
-    start = len(solve(maze))
-    if start == 0:
-        return 1.0
-    return max(0.0, (start - len(solve(maze, position))) / start)
-
-
 def distances_to_target(maze: Maze, start: tuple[int, int] | None = None,
                         blocked: tuple[int, int] | None = None) -> dict[tuple[int, int], int]:
     """Returns the shortest-path distance (in moves) from `start` (default: the target) to every floor cell
@@ -187,6 +150,33 @@ def distances_to_target(maze: Maze, start: tuple[int, int] | None = None,
                 dist[nxt] = dist[cell] + 1
                 queue.append(nxt)
     return dist
+
+
+def solve(maze: Maze, start: tuple[int, int] | None = None) -> list[int]:
+    """Returns the shortest list of move directions from `start` (default: the agent) to the target."""
+    cell = start or maze.agent
+    dist = distances_to_target(maze)
+    if cell not in dist:
+        raise ValueError(f"maze seed={maze.seed} has no path from {cell} to {maze.target}")
+    moves: list[int] = []
+    while cell != maze.target:
+        d, cell = next((d, (cell[0] + dr, cell[1] + dc)) for d, (dr, dc) in MOVES.items()
+                       if dist.get((cell[0] + dr, cell[1] + dc)) == dist[cell] - 1)  # one step closer
+        moves.append(d)
+    return moves
+
+
+def optimal_action_count(maze: Maze) -> int:
+    """Returns the number of actions a perfect agent needs: the shortest path plus `stop`."""
+    return len(solve(maze)) + 1
+
+
+def path_progress(maze: Maze, position: tuple[int, int]) -> float:
+    """Returns the share of the agent's shortest path to the target covered at `position` (0 if no closer)."""
+    start = len(solve(maze))
+    if start == 0:
+        return 1.0
+    return max(0.0, (start - len(solve(maze, position))) / start)
 
 
 def first_mistake(maze: Maze, actions: list) -> dict | None:
