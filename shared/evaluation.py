@@ -25,8 +25,9 @@ def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: s
     branch_cells: dict[int, int] = defaultdict(int)
     for e in episodes:
         record = e.record()
-        by_length[record["optimal_actions"]][0] += int(e.solved)
-        by_length[record["optimal_actions"]][1] += 1
+        bucket = by_length[record["optimal_actions"]]
+        bucket[0] += int(e.solved)
+        bucket[1] += 1
         if not e.solved:
             kind = failure_kind(record, eval_set.max_turns)
             failures[kind] += 1

@@ -135,13 +135,11 @@ def generate(env_id: str, seed: int) -> Maze:
     return Maze(maze_map=maze_map, agent=agent, target=target, env_id=env_id, seed=seed)
 
 
-def distances_to_target(maze: Maze, start: tuple[int, int] | None = None,
-                        blocked: tuple[int, int] | None = None) -> dict[tuple[int, int], int]:
-    """Returns the shortest-path distance (in moves) from `start` (default: the target) to every floor cell
-    it reaches, never passing through `blocked`."""
-    start = start or maze.target
-    dist = {start: 0}
-    queue = deque([start])
+def distances_from(maze: Maze, origin: tuple[int, int], blocked: tuple[int, int] | None = None) -> dict[tuple[int, int], int]:
+    """Returns the shortest-path distance (in moves) from `origin` to every floor cell it reaches without
+    passing through `blocked`."""
+    dist = {origin: 0}
+    queue = deque([origin])
     while queue:
         cell = queue.popleft()
         for dr, dc in MOVES.values():
@@ -155,7 +153,7 @@ def distances_to_target(maze: Maze, start: tuple[int, int] | None = None,
 def solve(maze: Maze, start: tuple[int, int] | None = None) -> list[int]:
     """Returns the shortest list of move directions from `start` (default: the agent) to the target."""
     cell = start or maze.agent
-    dist = distances_to_target(maze)
+    dist = distances_from(maze, maze.target)
     if cell not in dist:
         raise ValueError(f"maze seed={maze.seed} has no path from {cell} to {maze.target}")
     moves: list[int] = []
@@ -173,10 +171,11 @@ def optimal_action_count(maze: Maze) -> int:
 
 def path_progress(maze: Maze, position: tuple[int, int]) -> float:
     """Returns the share of the agent's shortest path to the target covered at `position` (0 if no closer)."""
-    start = len(solve(maze))
+    dist = distances_from(maze, maze.target)
+    start = dist[maze.agent]
     if start == 0:
         return 1.0
-    return max(0.0, (start - len(solve(maze, position))) / start)
+    return max(0.0, (start - dist[position]) / start)
 
 
 def first_mistake(maze: Maze, actions: list) -> dict | None:
@@ -189,7 +188,7 @@ def first_mistake(maze: Maze, actions: list) -> dict | None:
     off the target instead of stop), `unparsed`. Running out of turns after perfect play is not a mistake:
     that maze is beyond the ceiling.
     """
-    dist = distances_to_target(maze)
+    dist = distances_from(maze, maze.target)
     position, previous = maze.agent, None
     for turn, action in enumerate(actions):
         if action is None:
@@ -206,7 +205,7 @@ def first_mistake(maze: Maze, actions: list) -> dict | None:
         if dist[nxt] > dist[position]:
             if nxt == previous:
                 return {"turn": turn, "kind": "backtrack"}
-            branch = distances_to_target(maze, start=nxt, blocked=position)
+            branch = distances_from(maze, nxt, blocked=position)
             return {"turn": turn, "kind": "wrong_branch", "branch_cells": len(branch)}
         position, previous = nxt, position
     return None
