@@ -11,6 +11,12 @@ ARGS    ?=
 TORCH   := torch==2.14.1 torchvision==0.29.1
 EXTRAS  := trainer,evaluator,exporter,server,dashboards,images,dev
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# SkyRL's code needs Python >= 3.12 (pyenv's 3.12 where there is one); skyrl goes in at pyproject's `gpu` pin.
+PYTHON312   ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+SKYRL_VENV  ?= .venv-skyrl
+SKYRL_PY    := $(SKYRL_VENV)/bin/python
+SKYRL_PIN   := $(shell grep -o 'skyrl\[fsdp\]==[0-9.]*' pyproject.toml | sed 's/\[fsdp\]//')
+SKYRL_STAMP := $(SKYRL_VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
 export PYTHONUNBUFFERED := 1
 
@@ -28,6 +34,19 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## Create .venv (Python 3.11) with pinned torch and the project with every extra (idempotent)
 
+$(SKYRL_STAMP): pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "error: SkyRL's tests need Python 3.12 (pyenv install 3.12, or PYTHON312=/path/to/python3.12)"; exit 2; }
+	@test -x $(SKYRL_PY) || $(PYTHON312) -m venv $(SKYRL_VENV)
+	$(SKYRL_PY) -m pip install -q --upgrade pip
+	@# torch first and alone (a Python 3.12 build: about 550 MB from the package index, its CUDA libraries from this disk).
+	$(SKYRL_PY) -m pip install -q $(TORCH)
+	$(SKYRL_PY) -m pip install -q --no-deps '$(SKYRL_PIN)'
+	$(SKYRL_PY) -m pip install -q -e '.[skyrl-check]'
+	@rm -f $(SKYRL_VENV)/.installed-*
+	@touch $@
+
+skyrl-env: $(SKYRL_STAMP) ## Create .venv-skyrl (Python 3.12): SkyRL's own code on CPU, for tests/skyrl (idempotent)
+
 system-deps: ## Debian packages the tests drive for real (prometheus, chromium); skipped when present
 	@if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -38,9 +57,10 @@ system-deps: ## Debian packages the tests drive for real (prometheus, chromium);
 lint: setup ## Ruff over the code
 	$(PY) -m ruff check shared services tests bench
 
-test: setup system-deps ## Lint, then the test suite (installs what it needs first)
+test: setup skyrl-env system-deps ## Lint, then the test suite, then SkyRL's code against ours (installs what it needs first)
 	$(PY) -m ruff check shared services tests bench
 	$(PY) -m pytest $(ARGS)
+	$(SKYRL_PY) -m pytest tests/skyrl $(ARGS)
 
 tiny-model: setup ## Build the tiny Qwen3-VL into $SHARED_DIR/models/tiny-qwen3vl
 	$(PY) -m shared.models.tiny --config $(CONFIG) $(ARGS)
@@ -94,4 +114,4 @@ clean: ## Remove caches and build outputs (keeps .venv and .shared)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
 
-.PHONY: help setup system-deps lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor images up down bench clean
+.PHONY: help setup skyrl-env system-deps lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor images up down bench clean

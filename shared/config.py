@@ -102,6 +102,7 @@ class ScheduleConfig(Section):
     eval_interval: int = Field(10, ge=0, description="0 = only before and after training")
     eval_before_train: bool = True
     ckpt_interval: int = Field(20, ge=1)
+    max_ckpts_to_keep: int | None = Field(None, ge=1, description="full checkpoints kept on the volume (null: all)")
     hf_save_interval: int = Field(20, ge=1)
     resume_mode: Literal["latest", "none"] = "latest"
 
@@ -141,7 +142,8 @@ class ClusterConfig(Section):
     num_engines: int = Field(6, ge=1)
     colocate_all: bool = True
     gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
-    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    max_model_len: int | None = Field(None, ge=1, description="vLLM context per sequence (null: the checkpoint's full context)")
+    strategy: Literal["fsdp"] = "fsdp"
     image: str | None = None
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny Qwen3-VL built once per test session on a temporary shared volume."""
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -8,6 +9,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 REPO = Path(__file__).resolve().parent.parent
+# tests/skyrl runs SkyRL's own code: in .venv-skyrl (Python 3.12), as `make test`'s second pytest run.
+collect_ignore = [] if importlib.util.find_spec("skyrl") else ["skyrl"]
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """python -m services.trainer: GRPO post-training of a VLM on visual mazes (what `make train` runs).
 
     python -m services.trainer --config configs/tiny-cpu.yaml [key.path=value ...]
-    python -m services.trainer --backend skyrl --config configs/qwen3vl-8b-hyperpod.yaml [--dry-run]
+    python -m services.trainer --backend skyrl --config configs/qwen3vl-8b-hyperpod.yaml [--dry-run | --preflight]
     python -m services.trainer submit --config ... [--force]      # a Ray job on RAY_ADDRESS (make submit)
 
 Backends: `local` (Ray actors + transformers + peft, CPU or GPU; the default) and `skyrl` (SkyRL with
@@ -24,13 +24,16 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
     parser.add_argument("--backend", choices=["local", "skyrl"], default=None, help="override the profile's backend")
-    parser.add_argument("--dry-run", action="store_true", help="skyrl: print the SkyRL overrides and command, run nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="skyrl: print SkyRL's overrides (validated by SkyRL where it is installed) and the command, run nothing")
+    parser.add_argument("--preflight", action="store_true",
+                        help="skyrl: run the set-up up to the GPU work (SkyRL config, Ray runtime env, env in a worker), then exit")
     if submitting:
         parser.add_argument("--force", action="store_true", help="submit even if the HyperPod preflight finds a mismatch")
         parser.add_argument("--no-follow", action="store_true", help="return after submitting instead of streaming logs")
         parser.add_argument("--timeout", type=float, default=None, help="stop following after this many seconds")
     parser.add_argument("overrides", nargs="*", help="key.path=value config overrides, e.g. schedule.total_steps=5")
-    args = parser.parse_args(argv[1:] if submitting else argv)
+    args = parser.parse_intermixed_args(argv[1:] if submitting else argv)
     overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
     try:
         cfg = load_config(args.config, overrides)
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             record = submit(cfg, args.config or str(DEFAULT_CONFIG), overrides, force=args.force,
-                            follow=not args.no_follow, timeout_s=args.timeout)
+                            follow=not args.no_follow, timeout_s=args.timeout, preflight=args.preflight)
         except PreflightError as exc:
             sys.exit(f"error: {exc}")
         if record.get("status") not in (None, "SUCCEEDED"):
@@ -51,13 +54,18 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.backend == "skyrl":
         from services.trainer import skyrl_backend
 
-        if args.dry_run:
-            skyrl_backend.dry_run(cfg, args.config)
-        else:
-            skyrl_backend.run(cfg)
+        try:
+            if args.dry_run:
+                skyrl_backend.dry_run(cfg, args.config)
+            elif args.preflight:
+                skyrl_backend.preflight(cfg)
+            else:
+                skyrl_backend.run(cfg)
+        except skyrl_backend.SkyRLRejected as exc:
+            sys.exit(f"error: {exc}")
         return
-    if args.dry_run:
-        sys.exit("--dry-run applies to the skyrl backend (it prints SkyRL's config); the local backend just runs")
+    if args.dry_run or args.preflight:
+        sys.exit("--dry-run and --preflight apply to the skyrl backend (they check SkyRL's config); the local backend just runs")
     from services.trainer.grpo import Trainer
 
     Trainer(cfg).run()

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from shared.storage import (
     latest_complete_step,
     read_jsonl,
     staged_dir,
+    step_dirs,
 )
 
 # ---- the math ---------------------------------------------------------------------------------------
@@ -182,8 +184,9 @@ def save_adapter(model, folder: Path) -> None:
     model.save_pretrained(str(folder), safe_serialization=True, save_embedding_layers=False)
 
 
-def save_checkpoint(volume: SharedVolume, run_id: str, step: int, model, optimizer, tickets: TrainingTickets) -> Path:
-    """Writes ckpts/global_step_N (adapter, optimizer, RNG, step, data cursor) atomically, then the pointer."""
+def save_checkpoint(volume: SharedVolume, run_id: str, step: int, model, optimizer, tickets: TrainingTickets,
+                    keep: int | None = None) -> Path:
+    """Writes ckpts/global_step_N (adapter, optimizer, RNG, step, data cursor) atomically, then the pointer; keeps the newest `keep`."""
     final = volume.ckpt(run_id, step)
     with staged_dir(final) as tmp:
         save_adapter(model, tmp / "policy")
@@ -192,6 +195,10 @@ def save_checkpoint(volume: SharedVolume, run_id: str, step: int, model, optimiz
         torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state()}, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
     atomic_write_text(volume.ckpts(run_id) / LATEST_STEP_FILE, f"{step}\n")
+    if keep:
+        # Oldest first, and only after the pointer names the new one: a crash here leaves extra checkpoints, never none.
+        for _, older in step_dirs(volume.ckpts(run_id))[:-keep]:
+            shutil.rmtree(older, ignore_errors=True)
     return final
 
 
@@ -278,7 +285,7 @@ class Trainer:
                 with staged_dir(volume.export(run_id, step)) as tmp:
                     save_adapter(model, tmp)
             if step % sched.ckpt_interval == 0 or final:
-                save_checkpoint(volume, run_id, step, model, optimizer, tickets)
+                save_checkpoint(volume, run_id, step, model, optimizer, tickets, keep=sched.max_ckpts_to_keep)
             append_jsonl(volume.metrics(run_id), metrics)
             last_eval = history[max(history)]["solve_rate"] if history else float("nan")
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", solve=f"{metrics['train/solve_rate']:.2f}",

@@ -1,17 +1,26 @@
 """The `skyrl` backend: the same run config driving SkyRL's GRPO (vLLM rollout engines + FSDP) on GPUs.
 
-    python -m services.trainer --backend skyrl --config configs/qwen3vl-8b-hyperpod.yaml [--dry-run]
+    python -m services.trainer --backend skyrl --config configs/qwen3vl-8b-hyperpod.yaml [--dry-run | --preflight]
+
+`--dry-run` prints SkyRL's overrides (validated by SkyRL's own config code where SkyRL is installed);
+`--preflight` runs everything a real run does before it needs GPUs (data files, SkyRL's config and
+`validate_cfg`, env registration, SkyRL's `initialize_ray` on the cluster, the env made in a Ray worker).
 
 `skyrl_overrides` maps our config onto SkyRL's (`SkyRLTrainConfig.from_cli_overrides`); the run writes
 its train/val data files from our tickets and eval set, registers our skyrl-gym env and runs SkyRL's
 `BasePPOExp` inside a Ray task, as SkyRL's own entrypoints do. SkyRL's checkpoint and export layout
 (`ckpts/global_step_N`, `exports/global_step_N/policy`) is our shared-volume contract, so the evaluator
-and exporter read its output unchanged. `skyrl` is imported only in this module's run path.
+and exporter read its output unchanged. `skyrl` is imported only inside functions.
+
+The solve rate of a SkyRL run is `eval/all/environment/solved` (the env's `solved` metric averaged over
+the held-out episodes), never `eval/all/pass_at_1`: SkyRL counts an episode as passed when its reward is
+above 0, and under `reward: task_format` an unsolved but well-formatted episode scores 0.2.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -19,7 +28,6 @@ from pathlib import Path
 from shared.config import REPO_ROOT, RunConfig
 from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
 from shared.maze.skyrl_env import ENV_CLASS
-from shared.models.engine import lora_target_regex
 from shared.storage import SharedVolume, atomic_write_text
 
 
@@ -35,6 +43,33 @@ def _skyrl_pin() -> str:
 SKYRL_PIN = _skyrl_pin()
 SKYRL_VERSION = SKYRL_PIN.split("==")[1]
 TRAIN_TICKETS_PER_STEP_MARGIN = 2
+SOLVE_RATE_METRIC = "eval/all/environment/solved"
+
+
+class SkyRLRejected(ValueError):
+    """SkyRL's own config code refused the overrides made from a profile."""
+
+
+def training_gpus(cfg: RunConfig) -> int:
+    """Returns the data-parallel size of the FSDP policy: every GPU of every worker."""
+    return max(cfg.cluster.num_workers, 1) * max(cfg.cluster.gpus_per_worker, 1)
+
+
+def batch_problems(cfg: RunConfig) -> list[str]:
+    """Returns why SkyRL would trim or refuse the profile's batches on its GPUs (empty when they split evenly).
+
+    SkyRL drops trailing mazes until `mazes x n_samples_per_prompt` divides over the training GPUs
+    (`RayPPOTrainer._remove_tail_data`), silently; a profile must not rely on that.
+    """
+    gpus, n = training_gpus(cfg), cfg.rollout.n_samples_per_prompt
+    problems = []
+    for key, mazes in (("rollout.train_batch_size", cfg.rollout.train_batch_size),
+                       ("algorithm.mini_batch_size", cfg.algorithm.mini_batch_size)):
+        if mazes and (mazes * n) % gpus:
+            fits = [m for m in range(1, 4 * mazes) if (m * n) % gpus == 0][:4]
+            problems.append(f"{key}={mazes}: {mazes} mazes x {n} samples do not split over {gpus} GPUs, so SkyRL "
+                            f"would drop mazes every step; use a multiple of {fits[0]} (e.g. {', '.join(map(str, fits))})")
+    return problems
 
 
 def data_files(cfg: RunConfig) -> tuple[Path, Path]:
@@ -65,9 +100,11 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
     volume = SharedVolume(cfg.shared_path())
     run = volume.run(cfg.run_id)
     c, a, r, s, lo, env = cfg.cluster, cfg.algorithm, cfg.rollout, cfg.schedule, cfg.lora, cfg.env
-    gpus = max(c.num_workers * c.gpus_per_worker, 1)
     sampling = {"temperature": r.temperature, "max_generate_length": r.max_new_tokens, "top_p": 1.0, "logprobs": 1}
     eval_sampling = {"temperature": r.eval_temperature, "max_generate_length": r.max_new_tokens, "top_p": 1.0}
+    engine_kwargs = {"limit_mm_per_prompt": {"image": cfg.model.max_images_in_context}}
+    if c.max_model_len:
+        engine_kwargs["max_model_len"] = c.max_model_len
     return {
         "data.train_data": [str(train)],
         "data.val_data": [str(val)],
@@ -82,7 +119,10 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "trainer.policy.model.lora.rank": lo.rank,
         "trainer.policy.model.lora.alpha": lo.alpha,
         "trainer.policy.model.lora.dropout": lo.dropout,
-        "trainer.policy.model.lora.target_modules": lora_target_regex(lo.target_modules, lo.language_model_only),
+        # Module names, not a regex: SkyRL writes `list(target_modules)` into every adapter_config.json it saves,
+        # which turns a regex string into single characters. Qwen3-VL's vision tower has none of these names
+        # (its layers are qkv/proj/linear_fc1/linear_fc2), so the adapter stays on the language model.
+        "trainer.policy.model.lora.target_modules": list(lo.target_modules),
         "trainer.policy.model.lora.lora_sync_path": str(volume.lora_sync(cfg.run_id)),
         "trainer.policy.optimizer_config.lr": a.lr,
         "trainer.policy.optimizer_config.weight_decay": a.weight_decay,
@@ -103,15 +143,21 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "trainer.eval_before_train": s.eval_before_train,
         "trainer.eval_interval": s.eval_interval,
         "trainer.ckpt_interval": s.ckpt_interval,
+        "trainer.max_ckpts_to_keep": s.max_ckpts_to_keep or -1,
         "trainer.hf_save_interval": s.hf_save_interval,
         "trainer.resume_mode": s.resume_mode if s.resume_mode == "latest" else "none",
         "trainer.ckpt_path": str(run / "ckpts"),
         "trainer.export_path": str(run / "exports"),
+        # exports/dumped_evals/global_step_N_evals/aggregated_results.jsonl: where SOLVE_RATE_METRIC is read.
+        "trainer.dump_eval_results": True,
         "trainer.log_path": str(run / "logs"),
         "trainer.run_name": cfg.run_id,
         "trainer.project_name": "maze-grpo",
         "trainer.logger": "console",
-        "trainer.max_prompt_length": 8192,
+        # SkyRL's VisGym example: the first prompt (text + one picture) within 2048 tokens, the whole
+        # multi-turn conversation within 8192.
+        "trainer.max_prompt_length": 2048,
+        "generator.max_input_length": 8192,
         # SkyRL's VLM path: multi-turn conversations re-rendered per turn, no sample packing.
         "trainer.remove_microbatch_padding": False,
         "generator.vision_language_generator": True,
@@ -124,8 +170,8 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "generator.inference_engine.num_engines": c.num_engines,
         "generator.inference_engine.gpu_memory_utilization": c.gpu_memory_utilization,
         "generator.inference_engine.model_dtype": cfg.model.dtype,
-        "generator.inference_engine.tensor_parallel_size": max(1, gpus // c.num_engines),
-        "generator.inference_engine.engine_init_kwargs": {"limit_mm_per_prompt": {"image": cfg.model.max_images_in_context}},
+        "generator.inference_engine.tensor_parallel_size": max(1, training_gpus(cfg) // c.num_engines),
+        "generator.inference_engine.engine_init_kwargs": engine_kwargs,
         "environment.env_class": ENV_CLASS,
     }
 
@@ -147,8 +193,42 @@ def command(cfg: RunConfig, config_path: str | None) -> str:
     return shlex.join(args)
 
 
+def skyrl_config(cfg: RunConfig):
+    """Returns SkyRL's own config for a run, built and validated by SkyRL's code; raises SkyRLRejected."""
+    from skyrl.train.config import SkyRLTrainConfig
+    from skyrl.train.utils import validate_cfg
+
+    problems = batch_problems(cfg)
+    if problems:
+        raise SkyRLRejected("; ".join(problems))
+    train, val = data_files(cfg)
+    try:
+        skyrl_cfg = SkyRLTrainConfig.from_cli_overrides(to_cli(skyrl_overrides(cfg, train, val)))
+        validate_cfg(skyrl_cfg)
+    except (ValueError, AssertionError, TypeError, KeyError) as exc:
+        raise SkyRLRejected(f"SkyRL {SKYRL_VERSION} rejects the overrides made from this profile: {exc}") from None
+    return skyrl_cfg
+
+
+def skyrl_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("skyrl") is not None
+
+
 def dry_run(cfg: RunConfig, config_path: str | None = None) -> list[str]:
-    """Prints one override per line and the command; writes both to the run folder; returns the lines."""
+    """Prints one override per line and the command; writes both to the run folder; returns the lines.
+
+    Where SkyRL is installed (the GPU image, `.venv-skyrl`), SkyRL's own config code validates them first.
+    """
+    problems = batch_problems(cfg)
+    if problems:
+        raise SkyRLRejected("; ".join(problems))
+    if skyrl_installed():
+        skyrl_config(cfg)
+        verdict = f"# validated by SkyRL {SKYRL_VERSION} (SkyRLTrainConfig.from_cli_overrides + validate_cfg)"
+    else:
+        verdict = f"# not validated: SkyRL is not installed here ({SKYRL_PIN} needs Python >= 3.12; use .venv-skyrl)"
     train, val = data_files(cfg)
     lines = to_cli(skyrl_overrides(cfg, train, val))
     run = SharedVolume(cfg.shared_path()).run(cfg.run_id)
@@ -156,29 +236,59 @@ def dry_run(cfg: RunConfig, config_path: str | None = None) -> list[str]:
     atomic_write_text(run / "skyrl_command.txt", command(cfg, config_path) + "\n")
     for line in lines:
         print(line)
+    print(verdict)
     print(f"# command: {command(cfg, config_path)}")
     return lines
 
 
-def run(cfg: RunConfig) -> None:
-    """Runs SkyRL's BasePPOExp inside a Ray task (needs GPUs, Python >= 3.12 and `skyrl[fsdp]`)."""
+def _import_skyrl_run_path():
     try:
         import ray
-        from skyrl.train.config import SkyRLTrainConfig
-        from skyrl.train.entrypoints.main_base import BasePPOExp
-        from skyrl.train.utils import validate_cfg
         from skyrl.train.utils.utils import initialize_ray
     except ImportError as exc:
         sys.exit(f"the skyrl backend needs {SKYRL_PIN} on Python >= 3.12 with GPUs ({exc}); use the trainer GPU image "
                  "(docker/Dockerfile.gpu) or backend=local")
+    return ray, initialize_ray
+
+
+def preflight(cfg: RunConfig) -> dict:
+    """Runs a skyrl run's set-up up to the GPU work (SkyRL config, Ray runtime env, env in a worker); returns what it saw."""
+    ray, initialize_ray = _import_skyrl_run_path()
     from shared.maze.skyrl_env import register_env
 
-    train, val = data_files(cfg)
-    skyrl_cfg = SkyRLTrainConfig.from_cli_overrides(to_cli(skyrl_overrides(cfg, train, val)))
-    validate_cfg(skyrl_cfg)
+    skyrl_cfg = skyrl_config(cfg)
     register_env()
     initialize_ray(skyrl_cfg)
 
+    @ray.remote(num_cpus=1)
+    def make_env_in_worker(row: dict) -> dict:
+        """What a rollout worker sees: our env made by skyrl_gym, and the runtime env SkyRL set up."""
+        import skyrl_gym
+
+        register_env()
+        _, meta = skyrl_gym.make(ENV_CLASS, env_config={}, extras=row).init([])
+        return {"content_hash": meta["content_hash"], "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE")}
+
+    first_val = json.loads(Path(skyrl_cfg.data.val_data[0]).read_text().splitlines()[0])
+    seen = ray.get(make_env_in_worker.remote(first_val))
+    report = {"skyrl": SKYRL_VERSION, "ray_address": ray.get_runtime_context().gcs_address, **seen,
+              "solve_rate_metric": SOLVE_RATE_METRIC}
+    print(f"preflight ok: {json.dumps(report)}")
+    return report
+
+
+def run(cfg: RunConfig) -> None:
+    """Runs SkyRL's BasePPOExp inside a Ray task (needs GPUs, Python >= 3.12 and `skyrl[fsdp]`)."""
+    ray, initialize_ray = _import_skyrl_run_path()
+    from skyrl.train.entrypoints.main_base import BasePPOExp
+
+    from shared.maze.skyrl_env import register_env
+
+    skyrl_cfg = skyrl_config(cfg)
+    register_env()
+    initialize_ray(skyrl_cfg)
+
+    # SkyRL's trainer loop is a 1-CPU task: on HyperPod it lands on a GPU worker (the head advertises no CPUs).
     @ray.remote(num_cpus=1)
     def entrypoint(config):
         register_env()  # the task's process needs the env registered too

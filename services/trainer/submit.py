@@ -10,12 +10,18 @@ The job id is recorded in the run folder and the job's logs are streamed until i
 from __future__ import annotations
 
 import os
+import shlex
 import time
 
 from shared.config import REPO_ROOT, RunConfig
 from shared.storage import SharedVolume, atomic_write_json
 
 FORWARDED_ENV = ("SHARED_DIR", "S3_URI", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "HF_HUB_OFFLINE")
+# Variables SkyRL's `initialize_ray` forwards itself from the driver's environment into its own
+# `ray.init(runtime_env=...)` (skyrl.train.utils.utils.prepare_runtime_environment). Ray refuses a key that
+# the job's runtime env already sets, so for a skyrl job these ride on the entrypoint's command line
+# (the driver's environment) instead; SkyRL then hands them to every worker.
+SKYRL_FORWARDS = ("HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 class PreflightError(RuntimeError):
@@ -91,9 +97,39 @@ def job_client(address: str):
     return JobSubmissionClient(address)
 
 
+def job_spec(cfg: RunConfig, config_path: str, overrides: list[str], preflight: bool = False,
+             environ: dict | None = None) -> tuple[str, dict]:
+    """Returns (entrypoint, runtime_env) of the Ray job that runs `python -m services.trainer` for a profile."""
+    environ = os.environ if environ is None else environ
+    env_vars = {k: environ[k] for k in FORWARDED_ENV if environ.get(k)}
+    env_vars.setdefault("SHARED_DIR", cfg.storage.shared_dir)
+    if cfg.storage.s3_uri:
+        env_vars.setdefault("S3_URI", cfg.storage.s3_uri)
+    driver_env = {}
+    if cfg.backend == "skyrl":
+        driver_env = {k: v for k, v in env_vars.items() if k in SKYRL_FORWARDS or k.startswith("SKYRL_")}
+        env_vars = {k: v for k, v in env_vars.items() if k not in driver_env}
+    command = ["python", "-m", "services.trainer", "--config", os.path.relpath(config_path, REPO_ROOT), *overrides]
+    if preflight:
+        command.append("--preflight")
+    if driver_env:
+        command = ["env", *(f"{k}={v}" for k, v in driver_env.items()), *command]
+    runtime_env = {
+        "working_dir": str(REPO_ROOT),
+        "excludes": [".venv*", ".shared", ".git", ".cache", "**/__pycache__", ".pytest_cache", ".hypothesis",
+                     "bench/results.md"],
+        "env_vars": env_vars,
+    }
+    return shlex.join(command), runtime_env
+
+
 def submit(cfg: RunConfig, config_path: str, overrides: list[str], force: bool = False, follow: bool = True,
-           timeout_s: float | None = None, log=print) -> dict:
-    """Submits `python -m services.trainer` as a Ray job; records the job id; streams logs; returns the record."""
+           timeout_s: float | None = None, preflight: bool = False, log=print) -> dict:
+    """Submits `python -m services.trainer` as a Ray job; records the job id; streams logs; returns the record.
+
+    `preflight=True` submits the skyrl backend's `--preflight`: the job sets up SkyRL and Ray on the cluster
+    exactly as a run would, then stops before any GPU work.
+    """
     address = cfg.cluster.ray_address
     if not address:
         raise SystemExit("no cluster address: set RAY_ADDRESS (http://head:8265 or sagemaker_ray://<cluster>/<namespace>)")
@@ -104,17 +140,7 @@ def submit(cfg: RunConfig, config_path: str, overrides: list[str], force: bool =
             raise PreflightError("HyperPod preflight failed: " + "; ".join(problems) + " (use --force to submit anyway)")
         log(f"preflight: HyperPod cluster {cluster_name} matches the config")
     client = job_client(address)
-    env_vars = {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
-    env_vars.setdefault("SHARED_DIR", cfg.storage.shared_dir)
-    if cfg.storage.s3_uri:
-        env_vars.setdefault("S3_URI", cfg.storage.s3_uri)
-    rel_config = os.path.relpath(config_path, REPO_ROOT)
-    entrypoint = " ".join(["python", "-m", "services.trainer", "--config", rel_config, *overrides])
-    runtime_env = {
-        "working_dir": str(REPO_ROOT),
-        "excludes": [".venv", ".shared", ".git", "**/__pycache__", ".pytest_cache", ".hypothesis", "bench/results.md"],
-        "env_vars": env_vars,
-    }
+    entrypoint, runtime_env = job_spec(cfg, config_path, overrides, preflight=preflight)
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
                                metadata={"run_id": cfg.run_id, "project": "maze-grpo"})
     record = {"job_id": job_id, "address": address, "entrypoint": entrypoint,
