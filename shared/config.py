@@ -50,6 +50,9 @@ class EnvConfig(Section):
     reward: Literal["task", "task_format", "task_progress"] = "task"
     response_format: Literal["plain", "tagged"] = Field("plain", description="tagged = <observation>/<justification>/<action>")
     action_style: Literal["tuple", "keyword"] = "tuple"
+    prompt_style: Literal["short", "visgym"] = Field(
+        "short", description="short: our one-line prompt (the tiny model's); visgym: VisGym's maze prompt, "
+        "SkyRL's format instruction, tuple reader and parse error, VisGym's feedback (the VisGym SFT checkpoint's)")
     eval_env: str = "maze_2d/easy"
     eval_seeds: str = Field("0-63", pattern=r"^\d+-\d+$")
     train_seed_start: int = Field(1_000_000, ge=0)
@@ -222,6 +225,9 @@ def parse_config(tree: dict) -> RunConfig:
     if algo.mini_batch_size and rollout.train_batch_size % algo.mini_batch_size:
         raise ConfigError(f"config error: algorithm.mini_batch_size = {algo.mini_batch_size} must divide "
                           f"rollout.train_batch_size = {rollout.train_batch_size} (SkyRL requires it too)")
+    if cfg.env.prompt_style == "visgym" and cfg.env.action_style != "tuple":
+        raise ConfigError(f"config error: env.action_style = {cfg.env.action_style!r} does not go with env.prompt_style = "
+                          "'visgym' (VisGym's prompt asks for ('move', d) tuples): set env.action_style=tuple")
     if cfg.backend == "skyrl" and algo.advantage_estimator != "grpo":
         raise ConfigError(f"config error: algorithm.advantage_estimator = {algo.advantage_estimator!r} runs on the "
                           "local backend only; SkyRL's GRPO has no turn-level advantage: use grpo with backend=skyrl")

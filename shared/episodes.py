@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from shared.maze.actions import parse_action, score_episode, turn_is_well_formatted
+from shared.maze.actions import score_episode, turn_is_well_formatted
 from shared.maze.core import Maze, MazeEpisode, first_mistake, optimal_action_count
-from shared.maze.prompt import task_prompt
+from shared.maze.prompt import PromptStyle
 from shared.maze.render import render_rgb
 from shared.models.chat import assistant_turn, user_turn
 
@@ -25,6 +25,7 @@ class EpisodeSettings:
     reward: str = "task"
     response_format: str = "plain"
     action_style: str = "tuple"
+    prompt_style: str = "short"
     temperature: float = 0.0
     max_new_tokens: int = 24
 
@@ -36,9 +37,14 @@ class EpisodeSettings:
             reward=cfg.env.reward,
             response_format=cfg.env.response_format,
             action_style=cfg.env.action_style,
+            prompt_style=cfg.env.prompt_style,
             temperature=cfg.rollout.eval_temperature if temperature is None else temperature,
             max_new_tokens=cfg.rollout.max_new_tokens,
         )
+
+    def style(self) -> PromptStyle:
+        """Returns the texts this run's conversations use."""
+        return PromptStyle(self.prompt_style, self.response_format, self.action_style)
 
 
 @dataclass
@@ -94,8 +100,9 @@ def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samp
     `seed` makes sampling reproducible: turn t of this call samples with seed + t.
     """
     episodes = []
+    style = settings.style()
     for maze in mazes:
-        first = user_turn(task_prompt(maze, settings.response_format, settings.action_style), _image(maze, settings.cell_px))
+        first = user_turn(style.task_prompt(maze), _image(maze, settings.cell_px))
         episodes.append(Episode(maze=maze, episode=MazeEpisode(maze, settings.max_turns), messages=[first]))
     turn = 0
     while True:
@@ -117,18 +124,17 @@ def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samp
                     e.error = completion.error  # this maze is scored failed, with the reason kept
                     e.episode.done = True
                     continue
-                _apply(e, completion, settings, keep_samples)
+                _apply(e, completion, settings, style, keep_samples)
         turn += 1
         if progress is not None:
             progress(turn, sum(e.episode.done for e in episodes), len(episodes))
     return episodes
 
 
-def _apply(e: Episode, completion, settings: EpisodeSettings, keep_samples: bool) -> None:
+def _apply(e: Episode, completion, settings: EpisodeSettings, style: PromptStyle, keep_samples: bool) -> None:
     if keep_samples:
         e.samples.append((list(e.messages), completion))
-    action = parse_action(completion.text, settings.action_style)
-    _, feedback = e.episode.step(action)  # None (unparseable) costs a turn and lists the valid actions
+    action, _, feedback = style.play_turn(e.episode, completion.text)  # None (unreadable) costs a turn
     e.turns.append({"text": completion.text, "action": list(action) if action else None, "feedback": feedback,
                     "position": list(e.episode.position)})
     e.messages.append(assistant_turn(completion.text))

@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.maze.actions import episode_reward, parse_action, turn_is_well_formatted
+from shared.maze.actions import episode_reward, parse_action, read_tuple_reply, turn_is_well_formatted
+from shared.maze.core import MazeEpisode, generate
+from shared.maze.prompt import PromptStyle
 
 
 @pytest.mark.parametrize(
@@ -47,6 +49,15 @@ def test_parser_never_raises(text):
     assert result is None or result[0] in ("move", "stop")
     parse_action(text, style="keyword")
     turn_is_well_formatted(text)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="()[]'\",\\ movestpjum0123\n", max_size=60))
+def test_tuple_reader_and_visgym_turns_never_raise(text):
+    reply = read_tuple_reply(text)
+    assert reply is None or (isinstance(reply, tuple) and len(reply) == 2)
+    action, _, feedback = PromptStyle("visgym").play_turn(MazeEpisode(generate("maze_2d/easy", 0)), text)
+    assert feedback and (action is None or action[0] in ("move", "stop"))
 
 
 def test_rewards():

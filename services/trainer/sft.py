@@ -22,7 +22,7 @@ from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
 from shared.maze.core import Maze, MazeEpisode, solve
 from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
-from shared.maze.prompt import solver_reply, task_prompt
+from shared.maze.prompt import PromptStyle, solver_reply
 from shared.maze.render import render_rgb
 from shared.models.chat import assistant_turn, user_turn
 from shared.models.engine import LocalEngine, TrainingSample, collate, encode_conversation, load_model, token_logprobs
@@ -41,7 +41,8 @@ def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
     env = cfg.env
     episode = MazeEpisode(maze, env.max_turns)
     image = Image.fromarray(render_rgb(maze, env.cell_px))
-    messages = [user_turn(task_prompt(maze, env.response_format, env.action_style), image)]
+    style = PromptStyle(env.prompt_style, env.response_format, env.action_style)
+    messages = [user_turn(style.task_prompt(maze), image)]
     actions = [("move", d) for d in solve(maze)] + [("stop", "stop")]
     for action in actions:
         if episode.done:

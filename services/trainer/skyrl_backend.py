@@ -78,7 +78,7 @@ def data_files(cfg: RunConfig) -> tuple[Path, Path]:
     folder = volume.run(cfg.run_id) / "data"
     env = cfg.env
     extras = {"max_turns": env.max_turns, "reward": env.reward, "cell_px": env.cell_px,
-              "response_format": env.response_format, "action_style": env.action_style}
+              "response_format": env.response_format, "action_style": env.action_style, "prompt_style": env.prompt_style}
     placeholder = [{"role": "user", "content": "maze"}]  # the env's init() replaces it with the picture prompt
 
     def rows(env_id: str, seeds: list[int]) -> str:

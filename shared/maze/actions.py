@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from shared.maze.core import DIRECTION_NAMES, MazeEpisode, path_progress
 
@@ -17,6 +18,9 @@ _TUPLE = re.compile(
 _KEYWORDS = {name: d for d, name in DIRECTION_NAMES.items()}
 _KEYWORD = re.compile(r"\b(right|up|left|down|stop)\b", re.IGNORECASE)
 FORMAT_TAGS = ("observation", "justification", "action")
+# The opening of a tuple reply, `('name',` (quoted) or `(name,`: where SkyRL's VisGym example starts reading.
+_QUOTED_OPENING = re.compile(r"""\(\s*['"](\w+)['"]\s*,""")
+_BARE_OPENING = re.compile(r"""\(\s*(\w+)\s*,""")
 
 
 def tag_content(text: str, tag: str) -> str | None:
@@ -51,6 +55,60 @@ def parse_action(text: str, style: ActionStyle = "tuple") -> Action | None:
         if words:
             word = words[-1].lower()
             return ("stop", "stop") if word == "stop" else ("move", _KEYWORDS[word])
+    return None
+
+
+def _bracketed(text: str, start: int) -> str | None:
+    """Returns text[start:] up to the bracket that closes the `(` at `start` (quotes respected), or None."""
+    depth, quote, i = 0, None, start
+    while i < len(text):
+        char = text[i]
+        if quote:
+            if char == "\\":
+                i += 1  # the escaped character cannot close the string
+            elif char == quote:
+                quote = None
+        elif char in "'\"":
+            quote = char
+        elif char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+            if depth == 0:
+                return text[start : i + 1]
+        i += 1
+    return None
+
+
+def _as_pair(literal: str) -> tuple[Any, Any] | None:
+    try:
+        value = ast.literal_eval(literal)
+    except Exception:  # literal_eval raises several types on model text
+        return None
+    return value if isinstance(value, tuple) and len(value) == 2 else None
+
+
+def read_tuple_reply(text: str) -> tuple[Any, Any] | None:
+    """Returns the first `(name, payload)` Python 2-tuple written in text, as SkyRL's VisGym SFT example reads
+    replies (its `extract_action`), or None when there is none.
+
+    Unlike `parse_action` it takes the first tuple anywhere (tags are not looked at), is case-sensitive and
+    returns any payload: VisGym's rules, not the reader, reject `('move', 7)` or `('jump', 1)`. Tuples with a
+    quoted name are tried before `(name, payload)` with a bare one, which is quoted before evaluation.
+    """
+    if not isinstance(text, str):
+        return None
+    for match in _QUOTED_OPENING.finditer(text):
+        literal = _bracketed(text, match.start())
+        pair = _as_pair(literal) if literal else None
+        if pair is not None:
+            return pair
+    for match in _BARE_OPENING.finditer(text):
+        literal = _bracketed(text, match.start())
+        name = match.group(1)
+        pair = _as_pair(literal.replace(name, f"'{name}'", 1)) if literal else None
+        if pair is not None:
+            return pair
     return None
 
 

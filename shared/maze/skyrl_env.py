@@ -3,7 +3,7 @@
 `init` returns the task prompt with the maze picture as an OpenAI `image_url` data URI; `step` takes
 the model's text and returns the next picture, the reward (at the end of the episode), done and
 metadata. Extras (per dataset row): env_id, seed, max_turns, reward (mode), cell_px, response_format,
-action_style.
+action_style, prompt_style (`short` or `visgym`: see shared.maze.prompt).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from shared.maze.actions import parse_action, score_episode
+from shared.maze.actions import score_episode
 from shared.maze.core import MazeEpisode, generate
-from shared.maze.prompt import task_prompt
+from shared.maze.prompt import PromptStyle
 from shared.maze.render import data_uri, render_rgb
 
 ENV_CLASS = "maze_2d"
@@ -37,21 +37,21 @@ class MazeEnv(BaseTextEnv):
         self.cell_px = int(extras.get("cell_px", 25))
         self.response_format = extras.get("response_format", "plain")
         self.action_style = extras.get("action_style", "tuple")
+        self.style = PromptStyle(extras.get("prompt_style", "short"), self.response_format, self.action_style)
         self.maze = generate(self.env_id, self.seed)
         self.episode = MazeEpisode(self.maze, self.max_turns)
         self.texts: list[str] = []
 
     def init(self, prompt=None):
         """Returns ([user message with prompt text + maze image], metadata); a given prompt is replaced."""
-        text = task_prompt(self.maze, self.response_format, self.action_style)
+        text = self.style.task_prompt(self.maze)
         message = {"role": "user", "content": [{"type": "text", "text": text}, _image_part(render_rgb(self.maze, self.cell_px))]}
         return [message], {"env_id": self.env_id, "seed": self.seed, "content_hash": self.maze.content_hash()}
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         self.turns += 1
         self.texts.append(action if isinstance(action, str) else "")
-        parsed = parse_action(action, self.action_style)
-        _, feedback = self.episode.step(parsed)
+        parsed, _, feedback = self.style.play_turn(self.episode, action)
         done = self.episode.done
         reward = score_episode(self.episode, self.texts, self.reward_mode) if done else 0.0
         observations = []
