@@ -16,6 +16,7 @@ PYTHON312   ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.
 SKYRL_VENV  ?= .venv-skyrl
 SKYRL_PY    := $(SKYRL_VENV)/bin/python
 SKYRL_PIN   := $(shell grep -o 'skyrl\[fsdp\]==[0-9.]*' pyproject.toml | sed 's/\[fsdp\]//')
+FLASH_ATTN_PIN := flash-attn==2.8.3
 SKYRL_STAMP := $(SKYRL_VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
 export PYTHONUNBUFFERED := 1
@@ -42,6 +43,9 @@ $(SKYRL_STAMP): pyproject.toml
 	$(SKYRL_PY) -m pip install -q $(TORCH)
 	$(SKYRL_PY) -m pip install -q --no-deps '$(SKYRL_PIN)'
 	$(SKYRL_PY) -m pip install -q -e '.[skyrl-check]'
+	@# SkyRL's model wrapper imports flash-attn's padding helpers: its sources, without the CUDA kernels.
+	FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
+	  $(SKYRL_PY) -m pip install -q --no-build-isolation --no-deps '$(FLASH_ATTN_PIN)'
 	@rm -f $(SKYRL_VENV)/.installed-*
 	@touch $@
 

@@ -1,11 +1,13 @@
 """Held-out evaluation: play an eval set with an engine, write summary.json and episodes.jsonl.
 
-The summary schema (../shared/DESIGN.md §4) is the same wherever an evaluation runs.
+The summary schema (docs/design.md) is the same wherever an evaluation runs. SkyRL's in-loop evals are read
+from its own dumps (`skyrl_solve_rates`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -13,6 +15,26 @@ from pathlib import Path
 from shared.episodes import Episode, EpisodeSettings, run_episodes
 from shared.maze.dataset import EvalSet
 from shared.storage import atomic_write_json, atomic_write_text
+
+# SkyRL's solve rate: the env's `solved` metric averaged over the held-out episodes. Not `eval/all/pass_at_1`,
+# which counts an episode as passed when its reward is above 0: under `reward: task_format` an unsolved but
+# well-formatted episode scores 0.2 and would count.
+SKYRL_SOLVE_RATE_METRIC = "eval/all/environment/solved"
+_SKYRL_EVAL_DUMP = re.compile(r"global_step_(\d+)_evals")
+
+
+def skyrl_solve_rates(run_dir: str | Path) -> dict[int, float]:
+    """Returns {step: solve rate} from a SkyRL run's eval dumps (exports/dumped_evals/global_step_N_evals/)."""
+    rates = {}
+    for folder in sorted(Path(run_dir, "exports", "dumped_evals").glob("global_step_*_evals")):
+        match = _SKYRL_EVAL_DUMP.fullmatch(folder.name)
+        dump = folder / "aggregated_results.jsonl"
+        if match and dump.exists():
+            lines = dump.read_text().splitlines()
+            metrics = json.loads(lines[-1]) if lines else {}
+            if SKYRL_SOLVE_RATE_METRIC in metrics:
+                rates[int(match.group(1))] = float(metrics[SKYRL_SOLVE_RATE_METRIC])
+    return rates
 
 
 def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: str | None, extra: dict | None = None) -> dict:

@@ -12,9 +12,9 @@ its train/val data files from our tickets and eval set, registers our skyrl-gym 
 (`ckpts/global_step_N`, `exports/global_step_N/policy`) is our shared-volume contract, so the evaluator
 and exporter read its output unchanged. `skyrl` is imported only inside functions.
 
-The solve rate of a SkyRL run is `eval/all/environment/solved` (the env's `solved` metric averaged over
-the held-out episodes), never `eval/all/pass_at_1`: SkyRL counts an episode as passed when its reward is
-above 0, and under `reward: task_format` an unsolved but well-formatted episode scores 0.2.
+The solve rate of a SkyRL run is `eval/all/environment/solved` (shared.evaluation.SKYRL_SOLVE_RATE_METRIC),
+never `eval/all/pass_at_1`: SkyRL counts an episode as passed when its reward is above 0, and under
+`reward: task_format` an unsolved but well-formatted episode scores 0.2.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from shared.config import REPO_ROOT, RunConfig
+from shared.evaluation import SKYRL_SOLVE_RATE_METRIC
 from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
 from shared.maze.skyrl_env import ENV_CLASS
 from shared.storage import SharedVolume, atomic_write_text
@@ -43,7 +44,6 @@ def _skyrl_pin() -> str:
 SKYRL_PIN = _skyrl_pin()
 SKYRL_VERSION = SKYRL_PIN.split("==")[1]
 TRAIN_TICKETS_PER_STEP_MARGIN = 2
-SOLVE_RATE_METRIC = "eval/all/environment/solved"
 
 
 class SkyRLRejected(ValueError):
@@ -148,7 +148,7 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "trainer.resume_mode": s.resume_mode if s.resume_mode == "latest" else "none",
         "trainer.ckpt_path": str(run / "ckpts"),
         "trainer.export_path": str(run / "exports"),
-        # exports/dumped_evals/global_step_N_evals/aggregated_results.jsonl: where SOLVE_RATE_METRIC is read.
+        # exports/dumped_evals/global_step_N_evals/aggregated_results.jsonl: where the solve rate is read (shared.evaluation.skyrl_solve_rates).
         "trainer.dump_eval_results": True,
         "trainer.log_path": str(run / "logs"),
         "trainer.run_name": cfg.run_id,
@@ -272,7 +272,7 @@ def preflight(cfg: RunConfig) -> dict:
     first_val = json.loads(Path(skyrl_cfg.data.val_data[0]).read_text().splitlines()[0])
     seen = ray.get(make_env_in_worker.remote(first_val))
     report = {"skyrl": SKYRL_VERSION, "ray_address": ray.get_runtime_context().gcs_address, **seen,
-              "solve_rate_metric": SOLVE_RATE_METRIC}
+              "solve_rate_metric": SKYRL_SOLVE_RATE_METRIC}
     print(f"preflight ok: {json.dumps(report)}")
     return report
 
