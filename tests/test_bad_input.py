@@ -76,6 +76,7 @@ def test_trainer_model_path_that_is_no_model(tmp_path):
     (["--max-turns", "x"], ["--max-turns"]),
     (["--run", "../../etc"], ["--run", "../../etc"]),
     (["--watch", "a/b", "--once"], ["--watch", "a/b"]),
+    (["--name", "../../x"], ["--name", "../../x"]),
     (["--compare", "/nope/a", "/nope/b"], ["--compare", "/nope/a", "not an evaluation folder"]),
 ])
 def test_evaluator_arguments(args, words, tmp_path):

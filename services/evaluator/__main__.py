@@ -83,7 +83,7 @@ def turn_budget(value: str) -> int:
 
 
 def run_id_arg(value: str) -> str:
-    """argparse type: a run id (a plain folder name under runs/, never a path)."""
+    """argparse type: a run id or evaluation name (a plain folder name, never a path)."""
     try:
         return check_run_id(value)
     except ValueError as exc:
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
     parser.add_argument("--run", default=None, type=run_id_arg,
                         help="run id: evaluate its latest export; output under runs/<run>/evals/")
-    parser.add_argument("--name", default=None, help="evaluation name (folder under runs/<run>/evals/)")
+    parser.add_argument("--name", default=None, type=run_id_arg, help="evaluation name (folder under runs/<run>/evals/)")
     parser.add_argument("--out", default=None, help="output folder (instead of runs/<run>/evals/<name>)")
     parser.add_argument("--model", default=None, help="model folder (default: the profile's model.path)")
     parser.add_argument("--adapter", default=None, help="LoRA export folder, or an adapter id in $S3_URI/adapters/")

@@ -187,6 +187,8 @@ class MazeServer:
 
     async def _adapter(self, adapter_id: str) -> tuple[str, str]:
         """Returns (peft adapter name, fingerprint) of the adapter's current version, loaded; RequestError if absent."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         from shared.adapters import AdapterChanging, AdapterNotFound
 
         if self.store is None:
@@ -199,6 +201,9 @@ class MazeServer:
             raise RequestError(404, str(exc), "not_found_error", param="model", code="model_not_found") from None
         except AdapterChanging as exc:
             raise RequestError(503, str(exc), "server_error") from None
+        except (BotoCoreError, ClientError) as exc:
+            raise RequestError(503, f"the adapter store (S3) did not answer for {adapter_id!r}: {exc}; try again",
+                               "server_error") from None
         return handle.name, f"{adapter_id}@{handle.name.rpartition('__')[2]}"
 
     # ---- routes ------------------------------------------------------------------------------------
