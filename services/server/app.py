@@ -11,6 +11,7 @@ batch fails alone: its neighbours are retried one by one and get their answers.
 
 
 import asyncio
+import copy
 import json
 import re
 import time
@@ -116,6 +117,10 @@ class MazeServer:
         self.model = get_peft_model(model, placeholder, adapter_name="__base__")
         self.model.eval()
         self.engine = LocalEngine(self.model, processor, max_images_in_context=1_000_000, name=self.base_id)
+        # Prompts are counted on their own thread with their own tokenizer (a tokenizer is not safe to share
+        # across threads), so a request refused for its size never waits behind a batch being generated.
+        self.count_processor = copy.deepcopy(processor)
+        self.count_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="count")
         self.store = None
         if self.cfg.storage.s3_uri:
             from shared.adapters import AdapterStore
@@ -251,7 +256,7 @@ class MazeServer:
         adapter_id = split_model(body.model, self.base_id)
         messages = parse_messages(body.messages, self.limits)
         loop = asyncio.get_running_loop()
-        check_prompt_tokens(await loop.run_in_executor(self.model_thread, self._prompt_tokens, messages), self.limits)
+        check_prompt_tokens(await loop.run_in_executor(self.count_thread, self._prompt_tokens, messages), self.limits)
         adapter_name, fingerprint = (None, "base") if adapter_id is None else await self._adapter(adapter_id)
         max_tokens = min(body.max_tokens or self.cfg.server.max_new_tokens, self.cfg.server.max_new_tokens)
         completion = await self.generate_batched((adapter_name, messages, body.temperature, max_tokens, body.seed))
@@ -271,11 +276,12 @@ class MazeServer:
 
     def _prompt_tokens(self, messages: list[dict]) -> int:
         """Returns the prompt's length in tokens as the model would see it (image tokens included)."""
+        from shared.models.chat import images_of
         from shared.models.engine import text_ids
 
         try:
-            text, images = self.engine.prompt(messages)
-            return len(text_ids(self.engine.processor, text, images))
+            text = self.count_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return len(text_ids(self.count_processor, text, images_of(messages)))
         except Exception as exc:  # the chat template refused these messages: this request's fault alone
             raise RequestError(400, f"messages cannot be formatted for the model: {type(exc).__name__}: "
                                     f"{str(exc)[:200]}", param="messages") from None

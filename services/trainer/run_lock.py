@@ -38,7 +38,17 @@ def _alive(holder: dict, lock: Path) -> bool:
     if holder.get("host") != socket.gethostname():
         return time.time() - lock.stat().st_mtime < STALE_AFTER_S
     pid = holder.get("pid")
-    return isinstance(pid, int) and _process_start(pid) is not None and _process_start(pid) == holder.get("proc_start")
+    if not isinstance(pid, int):
+        return False
+    if not Path("/proc/self/stat").exists():  # no /proc (macOS): whether the pid exists is all we can tell
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return _process_start(pid) is not None and _process_start(pid) == holder.get("proc_start")
 
 
 def _describe(holder: dict) -> str:
