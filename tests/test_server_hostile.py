@@ -190,3 +190,54 @@ def test_ray_behind_the_server_listens_on_loopback_only(server, loopback_only):
     *_, pid = server
     listeners = loopback_only(pid)
     assert any(name.startswith(("raylet", "gcs_server")) for _, name in listeners), listeners
+
+
+def test_no_ray_process_outlives_a_sigkilled_server(tiny_model_dir, s3_endpoint, tmp_path):
+    import os
+    import signal
+
+    import psutil
+
+    from shared.net import wait_for_http
+    from shared.storage import s3_client
+
+    s3_client(s3_endpoint).create_bucket(Bucket="killed")
+    port = _free_port()
+    env = {**os.environ, "SHARED_DIR": str(tmp_path), "AWS_ENDPOINT_URL": s3_endpoint, "S3_URI": "s3://killed/p",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("SERVER_API_KEY", None)
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "services.server", f"model.path={tiny_model_dir}",
+                             f"model.base_model_id={BASE}", f"server.port={port}"], env=env, cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    family = []
+    try:
+        def alive():
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+
+        wait_for_http(f"http://127.0.0.1:{port}/healthz", timeout_s=240, alive=alive)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert {"raylet", "gcs_server"} <= {p.name() for p in family}
+        os.kill(proc.pid, signal.SIGKILL)  # the server alone, as `kill -9 <pid>` would
+        proc.wait(timeout=30)
+        deadline = time.time() + 60
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family):
+            left = [p.name() for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            assert time.time() < deadline, f"Ray processes outlived the server: {left}"
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for process in family:  # whatever a failed run left behind
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
