@@ -1,8 +1,10 @@
-"""The CPU server under load: p50/p95 latency and requests/s at 1, 8 and 64 concurrent clients, and the
-time to first use of a new adapter (S3 fetch + load). Real Ray Serve and a real S3 endpoint, on loopback."""
+"""The CPU server under load: p50/p95 latency and requests/s at 1, 8 and 64 concurrent clients; the same 64
+clients with every other request invalid (each must get its 4xx, every valid one its answer); and the time to
+first use of a new adapter (S3 fetch + load). Real Ray Serve and a real S3 endpoint, on loopback."""
 
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +24,12 @@ from shared.net import wait_for_http
 REQUESTS_PER_LEVEL = 64
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _adapter_run(cfg, model_dir, shared: Path) -> str:
     """Writes two LoRA exports of the tiny model (as the trainer lays them out); returns the run id."""
     from services.trainer.grpo import save_adapter
@@ -36,14 +44,46 @@ def _adapter_run(cfg, model_dir, shared: Path) -> str:
     return "bench"
 
 
-def _request(url, model, seed):
-    body = {"model": model, "max_tokens": 10, "messages": [{"role": "user", "content": [
+def _body(model, seed):
+    return {"model": model, "max_tokens": 10, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "9x9 maze"},
         {"type": "image_url", "image_url": {"url": data_uri(render_rgb(generate("maze_2d/easy", seed), 32))}}]}]}
+
+
+def _request(url, model, seed):
     started = time.perf_counter()
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    response = httpx.post(f"{url}/v1/chat/completions", json=_body(model, seed), timeout=300)
     response.raise_for_status()
     return time.perf_counter() - started
+
+
+def _invalid(base, i):
+    """Returns the i-th kind of bad request: each must be refused on its own with a 4xx."""
+    body = _body(base, i)
+    kinds = [
+        {**body, "temperature": 1e-300},
+        {**body, "seed": 2**64},
+        {**body, "messages": [{"role": "user", "content": "maze " * 20_000}]},
+        {**body, "model": f"{base}:no-such-adapter"},
+        {**body, "model": f"{base}:bad\n"},
+        {**body, "stream": True},
+        {**body, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}]},
+    ]
+    return kinds[i % len(kinds)]
+
+
+def _mixed(url, base, i):
+    """Sends request i of the mixed load (even: valid, odd: invalid); returns (valid, status, seconds)."""
+    valid = i % 2 == 0
+    started = time.perf_counter()
+    response = httpx.post(f"{url}/v1/chat/completions", json=_body(base, i) if valid else _invalid(base, i // 2),
+                          timeout=300)
+    return valid, response.status_code, time.perf_counter() - started
+
+
+def _percentile(values, q):
+    values = sorted(values)
+    return values[int(q * (len(values) - 1))]
 
 
 def run():
@@ -58,7 +98,7 @@ def run():
     run_id = _adapter_run(cfg, model_dir, shared)
     subprocess.run([sys.executable, "-m", "services.exporter", "--run", run_id], env=env, cwd=REPO_ROOT, check=True,
                    capture_output=True)
-    port = 18000 + os.getpid() % 1000
+    port = int(os.environ.get("BENCH_SERVER_PORT", "0")) or _free_port()
     server = subprocess.Popen([sys.executable, "-m", "services.server", f"model.path={model_dir}", f"server.port={port}"],
                               env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
@@ -80,6 +120,25 @@ def run():
                 {"benchmark": "server", "metric": f"p95 latency @ {clients} clients", "value": p95 * 1000, "unit": "ms", "note": note},
                 {"benchmark": "server", "metric": f"throughput @ {clients} clients", "value": REQUESTS_PER_LEVEL / elapsed, "unit": "req/s", "note": note},
             ]
+        started = time.perf_counter()
+        with ThreadPoolExecutor(64) as pool:
+            mixed = list(pool.map(lambda i: _mixed(url, base, i), range(2 * REQUESTS_PER_LEVEL)))
+        elapsed = time.perf_counter() - started
+        failed_valid = [status for valid, status, _ in mixed if valid and status != 200]
+        wrong_invalid = [status for valid, status, _ in mixed if not valid and not 400 <= status < 500]
+        if failed_valid or wrong_invalid:
+            raise AssertionError(f"mixed load: valid requests failed {failed_valid[:5]}, invalid ones got {wrong_invalid[:5]}")
+        valid_s = [s for valid, _, s in mixed if valid]
+        invalid_s = [s for valid, _, s in mixed if not valid]
+        note = f"{len(mixed)} requests, half invalid (7 kinds, each refused with a 4xx); every valid one answered"
+        rows += [
+            {"benchmark": "server", "metric": "mixed @ 64 clients: p50 latency, valid", "value": statistics.median(valid_s) * 1000, "unit": "ms", "note": note},
+            {"benchmark": "server", "metric": "mixed @ 64 clients: p95 latency, valid", "value": _percentile(valid_s, 0.95) * 1000, "unit": "ms", "note": note},
+            {"benchmark": "server", "metric": "mixed @ 64 clients: p50 latency, invalid", "value": statistics.median(invalid_s) * 1000, "unit": "ms", "note": note},
+            {"benchmark": "server", "metric": "mixed @ 64 clients: p95 latency, invalid", "value": _percentile(invalid_s, 0.95) * 1000, "unit": "ms", "note": note},
+            {"benchmark": "server", "metric": "mixed @ 64 clients: throughput, all", "value": len(mixed) / elapsed, "unit": "req/s", "note": note},
+            {"benchmark": "server", "metric": "mixed @ 64 clients: throughput, valid", "value": len(valid_s) / elapsed, "unit": "req/s", "note": note},
+        ]
         first = _request(url, f"{base}:{run_id}-step1", 1)
         warm = statistics.median(_request(url, f"{base}:{run_id}-step1", i) for i in range(5))
         rows += [

@@ -1,22 +1,28 @@
 """LoRA adapters in S3 (`$S3_URI/adapters/<adapter_id>/`), the layout Ray Serve LLM's
 `dynamic_lora_loading_path` reads. Readers trust an adapter only once its manifest.json is there and
-every file matches it; fetched adapters are cached locally, verified, and named by adapter id.
+every file matches it; fetched adapters are cached locally, verified, one folder per adapter id and version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
-from shared.storage import MANIFEST, check_adapter_id, s3_client, split_s3_uri, verify_manifest
+from shared.storage import MANIFEST, ManifestError, check_adapter_id, s3_client, split_s3_uri, verify_manifest
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 class AdapterNotFound(LookupError):
     """No complete adapter with that id in S3."""
+
+
+class AdapterChanging(RuntimeError):
+    """An adapter whose files kept changing while they were downloaded (a re-point in progress)."""
 
 
 class AdapterStore:
@@ -64,30 +70,63 @@ class AdapterStore:
                     continue
         return sorted(ids)
 
-    def fetch(self, adapter_id: str) -> Path:
-        """Returns a local folder holding the adapter, downloaded and verified against its manifest."""
-        manifest = self.manifest(adapter_id)
-        local = self.cache_dir / adapter_id
+    def manifest_etag(self, adapter_id: str) -> str:
+        """Returns the ETag of an adapter's manifest (it changes whenever the id is re-pointed); AdapterNotFound."""
+        from botocore.exceptions import ClientError
+
         try:
-            cached = json.loads((local / MANIFEST).read_text())
-            if cached.get("files") == manifest.get("files"):
-                verify_manifest(local)
-                return local
-        except Exception:
-            pass
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{adapter_id}-", dir=self.cache_dir))
-        try:
-            for name in manifest["files"]:
-                target = tmp / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self.client.download_file(self.bucket, self.key(adapter_id, name), str(target))
-            (tmp / MANIFEST).write_text(json.dumps(manifest))
-            verify_manifest(tmp)
-            if local.exists():
-                shutil.rmtree(local)
-            tmp.replace(local)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            return self.client.head_object(Bucket=self.bucket, Key=self.key(adapter_id, MANIFEST))["ETag"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NoSuchBucket"):
+                raise AdapterNotFound(f"adapter {adapter_id!r} not found in s3://{self.bucket}/{self.prefix}/") from None
             raise
-        return local
+
+    def fetch(self, adapter_id: str, manifest: dict | None = None, tries: int = 4) -> Path:
+        """Returns a local folder holding one version of the adapter, downloaded and verified against its manifest.
+
+        Each version (the files its manifest lists) gets its own folder, `<cache>/<adapter_id>/<version>/`, so a
+        re-pointed alias never overwrites files a reader is using. Files that do not match the manifest (the id
+        is being re-pointed while we download) are never kept: the manifest is read again and the fetch retried.
+        """
+        for attempt in range(tries):
+            manifest = manifest or self.manifest(adapter_id)
+            local = self.cache_dir / adapter_id / adapter_version(manifest)
+            if _verified(local, manifest):
+                return local
+            local.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=local.parent))
+            try:
+                for name in manifest["files"]:
+                    target = tmp / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    self.client.download_file(self.bucket, self.key(adapter_id, name), str(target))
+                (tmp / MANIFEST).write_text(json.dumps(manifest))
+                verify_manifest(tmp)
+                if _verified(local, manifest):  # another reader finished the same version first
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    shutil.rmtree(local, ignore_errors=True)
+                    tmp.replace(local)
+                return local
+            except ManifestError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                manifest = None
+                time.sleep(0.2 * 2**attempt)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        raise AdapterChanging(f"adapter {adapter_id!r} changed while it was being downloaded ({tries} tries): "
+                              "it is being re-pointed; try again in a few seconds")
+
+
+def adapter_version(manifest: dict) -> str:
+    """Returns a short id of the files a manifest lists (the same files give the same version)."""
+    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _verified(folder: Path, manifest: dict) -> bool:
+    try:
+        cached = json.loads((folder / MANIFEST).read_text())
+        return cached.get("files") == manifest.get("files") and bool(verify_manifest(folder))
+    except (OSError, ValueError):
+        return False

@@ -7,6 +7,7 @@ A bad key or value raises `ConfigError` whose message is one line naming the key
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -159,11 +160,16 @@ class ServerConfig(Section):
     max_image_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     max_images_per_request: int = Field(16, ge=1)
     max_new_tokens: int = Field(64, ge=1)
+    max_prompt_tokens: int = Field(8192, ge=16, description="longest prompt accepted, in tokens (images included); longer: 413")
+    max_request_bytes: int = Field(48 * 1024 * 1024, ge=1024, description="largest request body accepted; larger: 413")
+    adapter_revalidate_s: float = Field(
+        10.0, ge=0, description="how often a replica re-checks an adapter's S3 manifest (ETag), so a re-pointed alias "
+        "is served within this many seconds")
     num_replicas: int = Field(1, ge=1)
 
 
 class RunConfig(Section):
-    run_id: str = Field("tiny-cpu", pattern=r"^[A-Za-z0-9._-]+$")
+    run_id: str = Field("tiny-cpu", description="folder under runs/: letters, digits, '.', '_', '-'")
     seed: int = 0
     backend: Literal["local", "skyrl"] = "local"
     model: ModelConfig = ModelConfig()
@@ -176,6 +182,13 @@ class RunConfig(Section):
     storage: StorageConfig = StorageConfig()
     cluster: ClusterConfig = ClusterConfig()
     server: ServerConfig = ServerConfig()
+
+    @field_validator("run_id")
+    @classmethod
+    def _plain_run_id(cls, value: str) -> str:
+        from shared.storage import check_run_id
+
+        return check_run_id(value)
 
     def shared_path(self) -> Path:
         """Returns the shared volume as an absolute path (relative paths are taken from the repo root)."""
@@ -221,6 +234,10 @@ def parse_config(tree: dict) -> RunConfig:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_describe(exc.errors()[0])) from None
+    shared = cfg.shared_path()
+    if shared.exists() and not shared.is_dir():
+        raise ConfigError(f"config error: storage.shared_dir (SHARED_DIR) = {str(shared)!r} is a file, not a folder: "
+                          "point it at a folder (it is created when missing)")
     algo, rollout = cfg.algorithm, cfg.rollout
     if algo.mini_batch_size and rollout.train_batch_size % algo.mini_batch_size:
         raise ConfigError(f"config error: algorithm.mini_batch_size = {algo.mini_batch_size} must divide "
@@ -241,8 +258,14 @@ def load_config(
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.exists():
         raise ConfigError(f"config error: no config file at {path}; profiles live in configs/ (e.g. configs/tiny-cpu.yaml)")
+    if path.is_dir():
+        raise ConfigError(f"config error: {path} is a folder; --config names a YAML file (e.g. configs/tiny-cpu.yaml)")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"config error: {path} is not UTF-8 text; save it as UTF-8 YAML") from None
+    except OSError as exc:
+        raise ConfigError(f"config error: cannot read {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config error: {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(tree, dict):
@@ -266,6 +289,13 @@ def load_config(
 def dump_config(cfg: RunConfig) -> str:
     """Returns the resolved config as YAML (what `runs/<id>/run.yaml` holds)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (no usage block), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def add_config_arguments(parser) -> None:

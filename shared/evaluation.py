@@ -80,12 +80,12 @@ def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: s
 
 
 def failure_kind(record: dict, max_turns: int) -> str:
-    """Returns why an unsolved episode (an `episodes.jsonl` record) failed: `beyond_ceiling` when no agent
-    solves its maze in `max_turns`, `engine_error`, else the kind of its first mistake (`first_mistake`)."""
+    """Returns why an unsolved episode (an `episodes.jsonl` record) failed: `engine_error` when the engine could
+    not play it, `beyond_ceiling` when no agent solves its maze in `max_turns`, else its first mistake's kind."""
+    if record["error"]:  # first: a maze that was never played is an error, whatever its ceiling
+        return "engine_error"
     if record["optimal_actions"] > max_turns:
         return "beyond_ceiling"
-    if record["error"]:
-        return "engine_error"
     return record["first_mistake"]["kind"]
 
 
@@ -115,6 +115,7 @@ def describe(summary: dict) -> str:
         f"oracle ceiling {summary['oracle_solved']}/{summary['total']}, "
         f"{100 * summary['share_of_ceiling']:.1f}% of ceiling; parse failures {summary['parse_failures']}, "
         f"mean turns {summary['mean_turns']:.1f}"
+        + (f"; ERRORS {summary['errors']}: {summary['errors']} mazes could not be scored" if summary.get("errors") else "")
     )
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 LATEST_STEP_FILE = "latest_ckpt_global_step.txt"
-ADAPTER_ID = re.compile(r"^[A-Za-z0-9._-]+$")
+# Ids become folder names and S3 keys: matched whole (fullmatch; `$` would let a trailing newline through).
+ADAPTER_ID = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class ManifestError(ValueError):
@@ -281,11 +282,17 @@ def s3_client(endpoint_url: str | None = None, retries: int = 5, timeout_s: floa
     return boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
 
 
-def check_adapter_id(adapter_id: str) -> str:
-    """Returns the adapter id if it matches [A-Za-z0-9._-]+ (and is not '.' or '..'); else ValueError."""
-    if not isinstance(adapter_id, str) or not ADAPTER_ID.match(adapter_id) or adapter_id in {".", ".."}:
-        raise ValueError(f"adapter id {adapter_id!r} is invalid: use only letters, digits, '.', '_' and '-'")
+def check_adapter_id(adapter_id: str, what: str = "adapter id") -> str:
+    """Returns the id if all of it matches [A-Za-z0-9._-]+ (and it is not '.' or '..'); else ValueError."""
+    if not isinstance(adapter_id, str) or not ADAPTER_ID.fullmatch(adapter_id) or adapter_id in {".", ".."}:
+        raise ValueError(f"{what} {adapter_id!r} is invalid: use only letters, digits, '.', '_' and '-' "
+                         "(and not '.' or '..')")
     return adapter_id
+
+
+def check_run_id(run_id: str) -> str:
+    """Returns the run id if it is a plain folder name under runs/ (same rule as adapter ids); else ValueError."""
+    return check_adapter_id(run_id, "run id")
 
 
 # ---- exports --------------------------------------------------------------------------------------

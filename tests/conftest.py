@@ -1,7 +1,12 @@
 """Shared fixtures: a tiny Qwen3-VL built once per test session on a temporary shared volume."""
 
 import importlib.util
+import ipaddress
 import os
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +78,90 @@ def exported_run(tiny_cfg, tiny_model_dir):
         atomic_write_json(volume.eval(run_id, f"global_step_{step}") / "summary.json",
                           {"solve_rate": rate, "solved": int(rate * 64), "total": 64, "step": step})
     return volume, run_id
+
+
+SERVER_KEY = "test-key-123"
+SERVER_BASE = "tiny-qwen3vl-sft"
+# Small limits so the hostile-input tests reach them cheaply; adapters re-checked every second.
+SERVER_OVERRIDES = ["server.max_image_bytes=200000", "server.max_images_per_request=3",
+                    "server.max_num_adapters_per_replica=1", "server.max_prompt_tokens=1000",
+                    "server.max_request_bytes=1500000", "server.adapter_revalidate_s=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(exported_run, tiny_model_dir, s3_endpoint, tmp_path_factory):
+    """The real server (python -m services.server) on loopback with a key, serving the exported run's adapters.
+
+    Yields (url, cfg, run_id, env, pid): env is what the exporter CLI needs to reach the same S3 and shared volume.
+    """
+    from shared.config import load_config
+    from shared.net import wait_for_http
+    from shared.storage import s3_client
+
+    volume, run_id = exported_run
+    bucket = "served"
+    s3_client(s3_endpoint).create_bucket(Bucket=bucket)
+    env = {**os.environ, "SHARED_DIR": str(volume.root), "AWS_ENDPOINT_URL": s3_endpoint, "S3_URI": f"s3://{bucket}/p",
+           "SERVER_API_KEY": SERVER_KEY, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run([sys.executable, "-m", "services.exporter", "--run", run_id], env=env, cwd=REPO, check=True,
+                   capture_output=True, timeout=120)
+    port = free_port()
+    overrides = [f"model.path={tiny_model_dir}", f"model.base_model_id={SERVER_BASE}", f"server.port={port}",
+                 *SERVER_OVERRIDES]
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "services.server", *overrides], env=env, cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def alive():
+        assert proc.poll() is None, "server exited: " + Path(log.name).read_text()[-3000:]
+
+    wait_for_http(f"{url}/healthz", timeout_s=240, alive=alive)
+    cfg = load_config(None, [f"storage.shared_dir={volume.root}", *overrides[:2]],
+                      environ={"S3_URI": f"s3://{bucket}/p", "AWS_ENDPOINT_URL": s3_endpoint})
+    yield url, cfg, run_id, env, proc.pid
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]").split("%")[0]
+    if host == "*":
+        return False
+    ip = ipaddress.ip_address(host)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+@pytest.fixture
+def loopback_only():
+    """A check: every TCP socket that a process and its descendants listen on (`ss -ltnp`) is on loopback.
+
+    Returns the (address, process name) pairs it checked.
+    """
+    import psutil
+
+    def check(pid: int) -> list[tuple[str, str]]:
+        family = {pid} | {p.pid for p in psutil.Process(pid).children(recursive=True)}
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+        listeners = []
+        for line in out.splitlines():
+            owner = next((p for p in family if f"pid={p}," in line), None)
+            if owner is not None:
+                name = line.split('(("', 1)[1].split('"', 1)[0] if '(("' in line else "?"
+                listeners.append((line.split()[3], name))
+        exposed = [entry for entry in listeners if not _is_loopback(entry[0])]
+        assert listeners and not exposed, f"listening beyond loopback: {exposed}"
+        return listeners
+
+    return check

@@ -2,69 +2,21 @@
 
 import base64
 import io
-import os
-import signal
-import socket
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 from PIL import Image
 
-from shared.config import load_config
 from shared.episodes import EpisodeSettings, run_episodes
 from shared.maze import generate
 from shared.maze.render import data_uri, render_rgb
 from shared.models.endpoint import OpenAIEngine
 from shared.models.engine import LocalEngine
-from shared.net import wait_for_http
 
-REPO = Path(__file__).resolve().parent.parent
-KEY = "test-key-123"
+KEY = "test-key-123"  # the server fixture's SERVER_API_KEY (conftest.py)
 BASE = "tiny-qwen3vl-sft"
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(exported_run, tiny_model_dir, s3_endpoint, tmp_path_factory):
-    volume, run_id = exported_run
-    bucket = "served"
-    from shared.storage import s3_client
-
-    s3_client(s3_endpoint).create_bucket(Bucket=bucket)
-    env = {**os.environ, "SHARED_DIR": str(volume.root), "AWS_ENDPOINT_URL": s3_endpoint, "S3_URI": f"s3://{bucket}/p",
-           "SERVER_API_KEY": KEY, "RAY_USAGE_STATS_ENABLED": "0"}
-    subprocess.run([sys.executable, "-m", "services.exporter", "--run", run_id], env=env, cwd=REPO, check=True,
-                   capture_output=True, timeout=120)
-    port = _port()
-    overrides = [f"model.path={tiny_model_dir}", f"model.base_model_id={BASE}", f"server.port={port}",
-                 "server.max_image_bytes=200000", "server.max_images_per_request=3", "server.max_num_adapters_per_replica=1"]
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "services.server", *overrides], env=env, cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def alive():
-        assert proc.poll() is None, "server exited: " + Path(log.name).read_text()[-3000:]
-
-    wait_for_http(f"{url}/healthz", timeout_s=240, alive=alive)
-    cfg = load_config(None, [f"storage.shared_dir={volume.root}", *overrides[:2]],
-                      environ={"S3_URI": f"s3://{bucket}/p", "AWS_ENDPOINT_URL": s3_endpoint})
-    yield url, cfg, run_id
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _auth():
@@ -82,7 +34,7 @@ def _maze_content(seed=1):
 
 
 def test_routes_and_auth(server):
-    url, _, run_id = server
+    url, _, run_id, *_ = server
     assert httpx.get(f"{url}/healthz").json()["status"] == "ok"
     assert httpx.get(f"{url}/v1/models").status_code == 401
     ids = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=_auth()).json()["data"]]
@@ -97,7 +49,7 @@ def test_routes_and_auth(server):
 
 
 def test_bad_input_gets_clear_errors(server):
-    url, _, run_id = server
+    url, _, run_id, *_ = server
     cases = {
         "unknown model": (_chat(url, "other-model", "hi"), 404, "other-model"),
         "unknown adapter": (_chat(url, f"{BASE}:nope", "hi"), 404, "nope"),
@@ -124,7 +76,7 @@ def test_bad_input_gets_clear_errors(server):
 
 
 def test_64_concurrent_requests_all_succeed(server):
-    url, _, run_id = server
+    url, _, run_id, *_ = server
     models = [BASE, f"{BASE}:{run_id}-step2", f"{BASE}:{run_id}-step4"]
     with ThreadPoolExecutor(64) as pool:
         responses = list(pool.map(lambda i: _chat(url, models[i % 3], _maze_content(i)), range(64)))
@@ -132,7 +84,7 @@ def test_64_concurrent_requests_all_succeed(server):
 
 
 def test_greedy_parity_with_the_in_process_engine(server):
-    url, cfg, run_id = server
+    url, cfg, run_id, *_ = server
     from shared.adapters import AdapterStore
 
     adapter_id = f"{run_id}-step4"

@@ -228,3 +228,18 @@ def test_corrupt_checkpoint_is_skipped_with_a_warning(trained):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "skipping" in proc.stdout and "global_step_2" in proc.stdout
     assert "resuming corrupt" in proc.stdout and "(step 1)" in proc.stdout
+
+
+def test_restart_from_scratch_keeps_every_eval_in_history(trained):
+    shared, _ = trained
+    import shutil
+
+    run = shared / "runs" / "fresh"
+    shutil.copytree(shared / "runs" / "full", run)
+    shutil.rmtree(run / "ckpts")  # no checkpoint: the run starts again from step 0, its evals already on disk
+    proc = _train(shared, "fresh")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    history = [json.loads(line)["step"] for line in (run / "evals" / "history.jsonl").read_text().splitlines()]
+    assert sorted(history) == [0, 1, 2], history
+    table = proc.stdout[proc.stdout.rindex("  step "):].splitlines()
+    assert [int(row.split()[0]) for row in table[1:4]] == [0, 1, 2], table

@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     from services.dashboards.provision import ProvisionError, provision, write_files
 
     if args.out:
-        for path in write_files(args.out):
+        try:
+            paths = write_files(args.out)
+        except OSError as exc:
+            sys.exit(f"error: cannot write the dashboards to --out {args.out}: {exc.strerror}; pick a folder you can write to")
+        for path in paths:
             print(f"wrote {path}")
         return
     if not args.grafana_url:

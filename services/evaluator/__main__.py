@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from services.evaluator.report import write_comparison, write_gifs, write_report
-from shared.config import ConfigError, RunConfig, load_config
+from shared.config import CommandLineParser, ConfigError, RunConfig, load_config
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate, plot_solve_rate
 from shared.maze.dataset import EvalSet, parse_seeds
@@ -27,6 +27,7 @@ from shared.models.engine import LocalEngine, ModelLoadError
 from shared.storage import (
     SharedVolume,
     append_jsonl,
+    check_run_id,
     read_jsonl,
     sha256_file,
 )
@@ -59,6 +60,43 @@ def finish(out: Path, summary: dict, gifs: bool, cell_px: int) -> None:
     write_report(out)
     print(describe(summary))
     print(f"report: {out / 'report.html'}")
+
+
+def exit_on_errors(summaries: list[dict], out: Path | str) -> None:
+    """Exits non-zero with one line when any maze could not be scored (its engine failed): the score is not real."""
+    errors = sum(s.get("errors", 0) for s in summaries)
+    if errors:
+        total = sum(s["total"] for s in summaries)
+        sys.exit(f"error: {errors} of {total} mazes could not be scored (the engine failed; see the `error` field in "
+                 f"{Path(out) / 'episodes.jsonl'}): the solve rate above is not a measurement")
+
+
+def turn_budget(value: str) -> int:
+    """argparse type: a positive number of turns (the config's env.max_turns range, 1..200)."""
+    try:
+        turns = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of turns (e.g. 15)") from None
+    if not 1 <= turns <= 200:
+        raise argparse.ArgumentTypeError(f"{turns} turns is out of range: use 1..200 (e.g. 15)")
+    return turns
+
+
+def run_id_arg(value: str) -> str:
+    """argparse type: a run id or evaluation name (a plain folder name, never a path)."""
+    try:
+        return check_run_id(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def eval_folder(value: str) -> Path:
+    """argparse type: an evaluation folder (one holding summary.json and episodes.jsonl)."""
+    path = Path(value)
+    if not (path / "summary.json").is_file() or not (path / "episodes.jsonl").is_file():
+        raise argparse.ArgumentTypeError(f"{value} is not an evaluation folder (no summary.json + episodes.jsonl there); "
+                                         "pass folders the evaluator wrote, e.g. runs/<run>/evals/<name>")
+    return path
 
 
 def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: Path | None, out: Path, gifs=True) -> dict:
@@ -94,6 +132,11 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
                 continue
             out = volume.eval(run_id, f"watch_step_{step}")
             summary = eval_local(cfg, eval_set, model_dir, policy, out, gifs=False)
+            if summary["errors"]:  # not a measurement: left out of the history, tried again next pass
+                print(f"warning: step {step}: {summary['errors']} mazes could not be scored; will retry", file=sys.stderr)
+                if once:
+                    exit_on_errors([summary], out)
+                continue
             append_jsonl(history_path, {"step": step, **summary})
         history = sorted(read_jsonl(history_path), key=lambda r: r["step"])
         if history:
@@ -106,7 +149,7 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
 
 def play(argv: list[str]) -> None:
     """Plays maze episodes against the server (the evaluator's endpoint mode); one seed writes its GIF."""
-    parser = argparse.ArgumentParser(prog="python -m services.evaluator play",
+    parser = CommandLineParser(prog="python -m services.evaluator play",
                                      description="Play full maze episodes against an OpenAI-compatible server.")
     parser.add_argument("--config", default=None)
     parser.add_argument("--base-url", default=os.environ.get("SERVER_URL", "http://127.0.0.1:8000"))
@@ -139,27 +182,30 @@ def play(argv: list[str]) -> None:
     else:
         write_report(out)
         print(describe(summary))
+    exit_on_errors([summary], out)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["play"]:
         return play(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m services.evaluator", description=__doc__,
+    parser = CommandLineParser(prog="python -m services.evaluator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
-    parser.add_argument("--run", default=None, help="run id: evaluate its latest export; output under runs/<run>/evals/")
-    parser.add_argument("--name", default=None, help="evaluation name (folder under runs/<run>/evals/)")
+    parser.add_argument("--run", default=None, type=run_id_arg,
+                        help="run id: evaluate its latest export; output under runs/<run>/evals/")
+    parser.add_argument("--name", default=None, type=run_id_arg, help="evaluation name (folder under runs/<run>/evals/)")
     parser.add_argument("--out", default=None, help="output folder (instead of runs/<run>/evals/<name>)")
     parser.add_argument("--model", default=None, help="model folder (default: the profile's model.path)")
     parser.add_argument("--adapter", default=None, help="LoRA export folder, or an adapter id in $S3_URI/adapters/")
     parser.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model-name", default=None, help="model name for --base-url (base or base:adapter)")
     parser.add_argument("--seeds", default=None, help="eval seeds (default: the profile's, 0-63)")
-    parser.add_argument("--max-turns", type=int, default=None)
+    parser.add_argument("--max-turns", type=turn_budget, default=None, help="turn budget per maze (1..200)")
     parser.add_argument("--no-gifs", action="store_true", help="skip the per-episode GIFs")
-    parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two evaluation folders to set side by side")
-    parser.add_argument("--watch", metavar="RUN_ID", help="evaluate every new complete export of a run")
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"), type=eval_folder,
+                        help="two evaluation folders to set side by side")
+    parser.add_argument("--watch", metavar="RUN_ID", type=run_id_arg, help="evaluate every new complete export of a run")
     parser.add_argument("--once", action="store_true", help="with --watch: one pass, then exit")
     parser.add_argument("--poll", type=float, default=30.0, help="with --watch: seconds between passes")
     parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
@@ -168,12 +214,21 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         sys.exit(str(exc))
-    eval_set = EvalSet(cfg.env.eval_env, parse_seeds(args.seeds or cfg.env.eval_seeds), args.max_turns or cfg.env.max_turns)
+    try:
+        seeds = parse_seeds(args.seeds or cfg.env.eval_seeds)
+    except ValueError as exc:
+        sys.exit(f"error: --seeds: {exc}")
+    if not seeds:
+        sys.exit(f"error: --seeds {args.seeds!r} names no seeds: use A-B (e.g. 0-63) or A,B,C")
+    eval_set = EvalSet(cfg.env.eval_env, seeds, args.max_turns or cfg.env.max_turns)
     volume = SharedVolume(cfg.shared_path())
 
     if args.compare:
         out = Path(args.out or ".")
-        print(f"wrote {write_comparison(Path(args.compare[0]), Path(args.compare[1]), out)}")
+        try:
+            print(f"wrote {write_comparison(args.compare[0], args.compare[1], out)}")
+        except (OSError, ValueError, KeyError) as exc:
+            sys.exit(f"error: cannot compare {args.compare[0]} and {args.compare[1]} into {out}: {exc}")
         return
     if args.watch:
         watch(cfg, eval_set, args.watch, args.once, args.poll)
@@ -188,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
             summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=engine.name,
                                   adapter=engine.adapter, extra={"base_url": args.base_url})
             finish(out, summary, not args.no_gifs, cfg.env.cell_px)
+            exit_on_errors([summary], out)
             return
         model_dir = Path(args.model) if args.model else volume.model(cfg.model.path)
         adapter = args.adapter
@@ -200,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         adapter_dir = resolve_adapter(cfg, str(adapter) if adapter else None)
         name = args.name or (f"eval_{Path(adapter_dir).parent.name if adapter_dir else model_dir.name}")
         out = Path(args.out) if args.out else volume.eval(args.run or "adhoc", name)
-        eval_local(cfg, eval_set, model_dir, adapter_dir, out, gifs=not args.no_gifs)
+        summary = eval_local(cfg, eval_set, model_dir, adapter_dir, out, gifs=not args.no_gifs)
+        exit_on_errors([summary], out)
     except (ModelLoadError, ConnectionError, FileNotFoundError, ValueError) as exc:
         sys.exit(f"error: {exc}")
 

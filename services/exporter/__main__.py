@@ -15,7 +15,8 @@ import argparse
 import sys
 import time
 
-from shared.config import ConfigError, RunConfig, load_config
+from shared.config import CommandLineParser, ConfigError, RunConfig, load_config
+from shared.storage import check_adapter_id
 
 COMMANDS = ("export", "list", "s3-up", "s3-down")
 
@@ -49,7 +50,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.exporter", description=__doc__,
+    parser = CommandLineParser(prog="python -m services.exporter", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="export", help="export (default), list, s3-up or s3-down")
     parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
         args.command = "export"
     if args.command not in COMMANDS:
         parser.error(f"unknown command {args.command!r}: use one of {', '.join(COMMANDS)}")
+    for flag, value in (("--run", args.run), ("--alias", args.alias)):
+        try:
+            value is None or check_adapter_id(value, f"{flag} value")
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

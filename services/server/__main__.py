@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: no SERVER_API_KEY set, so binding to 127.0.0.1 instead of {host}", file=sys.stderr)
         host = "127.0.0.1"
+    if argv is None and not args.dry_run:  # run as a command: Ray's servers on loopback (re-runs this command once)
+        from shared.local_ray import enter_loopback
+
+        enter_loopback(keep_port=cfg.server.port if host not in ("127.0.0.1", "localhost", "::1") else None)
     if not cfg.storage.s3_uri:
         from services.exporter.__main__ import resolve_s3
 
@@ -79,11 +83,12 @@ def start_cpu_server(cfg, model_dir: str, host: str = "127.0.0.1", api_key: str 
     from ray import serve
 
     from services.server.app import MazeServer
+    from shared.local_ray import init_local_ray
     from shared.net import wait_for_http
 
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1",
-                 runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HF_"))}})
+        init_local_ray(log_to_driver=False, configure_logging=False,
+                       runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HF_"))}})
     serve.start(http_options={"host": host, "port": cfg.server.port})
     deployment = MazeServer.options(num_replicas=cfg.server.num_replicas)
     serve.run(deployment.bind(cfg.model_dump(mode="json"), model_dir, api_key), name="maze", route_prefix="/")

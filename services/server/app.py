@@ -2,45 +2,97 @@
 
 Same routes and model-id rules as the GPU app (Ray Serve LLM): `GET /v1/models`, `POST /v1/chat/completions`
 with `model` = `<base>` or `<base>:<adapter>`, `GET /healthz`. Adapters are fetched from S3 on first use
-into a local cache and kept in an LRU of `max_num_adapters_per_replica` (`@serve.multiplexed`); requests
-are batched (`@serve.batch`) and each batch runs grouped by adapter.
+into a local cache and kept in an LRU of `max_num_adapters_per_replica` (`@serve.multiplexed`), one entry per
+adapter version: each adapter's manifest is re-checked (by ETag) every `adapter_revalidate_s`, so a re-pointed
+alias is served within that time. Every request passes `request_rules` (validation, prompt size in tokens)
+before it joins a batch (`@serve.batch`); each batch runs grouped by adapter, and a request that fails in a
+batch fails alone: its neighbours are retried one by one and get their answers.
 """
 
 
 import asyncio
+import copy
+import json
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-api = FastAPI(title="maze-grpo server", description="OpenAI-compatible chat completions for maze VLM policies")
+from services.server.request_rules import (
+    ChatLimits,
+    ChatRequest,
+    RequestError,
+    check_prompt_tokens,
+    error_body,
+    parse_chat_request,
+    parse_messages,
+    split_model,
+)
+
+# The schema is served at /openapi.json and /docs by routes of the deployment, behind the token when one is set.
+api = FastAPI(title="maze-grpo server", description="OpenAI-compatible chat completions for maze VLM policies",
+              docs_url=None, redoc_url=None, openapi_url=None)
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str
-    messages: list[dict] = Field(min_length=1)
-    temperature: float = Field(0.0, ge=0, le=5)
-    max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(status_code=exc.status_code, content=error_body(str(exc.detail), kind), headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    return JSONResponse(status_code=400, content=error_body(f"{'.'.join(map(str, first['loc']))}: {first['msg']}"))
+
+
+async def _request_error(request: Request, exc: RequestError):
+    return JSONResponse(status_code=exc.status, content=exc.body())
+
+
+async def _server_error(request: Request, exc: Exception):
+    return JSONResponse(status_code=500, content=error_body(f"internal error: {type(exc).__name__}", "server_error"))
+
+
+# Registered before `serve.ingress` wraps the app, so the deployment answers with these bodies.
+api.add_exception_handler(StarletteHTTPException, _http_error)
+api.add_exception_handler(RequestValidationError, _validation_error)
+api.add_exception_handler(RequestError, _request_error)
+api.add_exception_handler(Exception, _server_error)
+
+CHAT_BODY_SCHEMA = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": ChatRequest.model_json_schema()}}}}
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """One version of an adapter id: the files its manifest listed when this replica last checked."""
+
+    adapter_id: str
+    version: str
+    etag: str
+    checked_at: float
+
+    @property
+    def key(self) -> str:
+        """The multiplexed-LRU key, and the adapter's name inside the peft model (no '.': peft forbids it)."""
+        return f"{re.sub(r'[^A-Za-z0-9_-]', '_', self.adapter_id)}__{self.version}"
 
 
 class AdapterHandle:
     """A LoRA adapter loaded into the replica's peft model; evicting it from the LRU unloads it."""
 
-    def __init__(self, server, adapter_id: str):
-        self.server, self.adapter_id = server, adapter_id
+    def __init__(self, server, name: str):
+        self.server, self.name = server, name
 
     def __del__(self):
-        self.server.unload_adapter(self.adapter_id)
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> HTTPException:
-    return HTTPException(status_code=status, detail={"error": {"message": message, "type": kind}})
+        self.server.unload_adapter(self.name)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=128)
@@ -56,6 +108,8 @@ class MazeServer:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.cfg = RunConfig.model_validate(cfg_dict)
         self.base_id = self.cfg.model.base_model_id
+        limits = self.cfg.server
+        self.limits = ChatLimits(limits.max_images_per_request, limits.max_image_bytes, limits.max_prompt_tokens)
         model, processor = load_model(model_dir, self.cfg.model.dtype)
         # A placeholder adapter (zero delta) makes the model a PeftModel from the start, so real adapters
         # can be loaded and deleted by name; base requests run with adapters disabled.
@@ -63,6 +117,10 @@ class MazeServer:
         self.model = get_peft_model(model, placeholder, adapter_name="__base__")
         self.model.eval()
         self.engine = LocalEngine(self.model, processor, max_images_in_context=1_000_000, name=self.base_id)
+        # Prompts are counted on their own thread with their own tokenizer (a tokenizer is not safe to share
+        # across threads), so a request refused for its size never waits behind a batch being generated.
+        self.count_processor = copy.deepcopy(processor)
+        self.count_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="count")
         self.store = None
         if self.cfg.storage.s3_uri:
             from shared.adapters import AdapterStore
@@ -70,67 +128,109 @@ class MazeServer:
             self.store = AdapterStore.from_config(self.cfg)
         self.api_key = api_key
         self.in_lru: set[str] = set()
+        self.adapter_folders: dict[str, str] = {}  # peft adapter name -> its verified local folder
+        self.versions: dict[str, AdapterVersion] = {}  # adapter id -> the version last seen in S3
         # Every use or change of the peft model runs on this one thread: loads, evictions and batches
         # never interleave.
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.first_use_s: dict[str, float] = {}
         # The LRU size comes from the config, so the multiplexed loader is made here (as a closure:
         # Ray keeps its LRU on the decorated function object, which a bound method cannot carry).
-        async def load_adapter(adapter_id: str) -> AdapterHandle:
-            return await self._load_adapter(adapter_id)
+        async def load_adapter(key: str) -> AdapterHandle:
+            return await self._load_adapter(key)
 
         self.get_adapter = serve.multiplexed(max_num_models_per_replica=self.cfg.server.max_num_adapters_per_replica)(
             load_adapter)
 
     # ---- adapters ----------------------------------------------------------------------------------
 
-    async def _load_adapter(self, adapter_id: str) -> AdapterHandle:
-        """Fetches an adapter from S3 (verified against its manifest) and loads it beside the base model."""
+    async def _current_version(self, adapter_id: str) -> AdapterVersion:
+        """Returns the adapter's version in S3, re-checking its manifest's ETag at most every adapter_revalidate_s."""
+        from shared.adapters import adapter_version
+
+        known = self.versions.get(adapter_id)
+        now = time.monotonic()
+        if known is not None and now - known.checked_at < self.cfg.server.adapter_revalidate_s:
+            return known
+        loop = asyncio.get_running_loop()
+        etag = await loop.run_in_executor(None, self.store.manifest_etag, adapter_id)
+        if known is not None and etag == known.etag:
+            current = AdapterVersion(adapter_id, known.version, etag, now)
+        else:
+            manifest = await loop.run_in_executor(None, self.store.manifest, adapter_id)
+            current = AdapterVersion(adapter_id, adapter_version(manifest), etag, now)
+        self.versions[adapter_id] = current
+        return current
+
+    async def _load_adapter(self, key: str) -> AdapterHandle:
+        """Fetches one adapter version from S3 (verified against its manifest) and loads it beside the base model."""
+        adapter_id, _, version = key.rpartition("@")
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        local = await loop.run_in_executor(None, self.store.fetch, adapter_id)
-        await loop.run_in_executor(self.model_thread, self._attach, adapter_id, str(local))
+        manifest = await loop.run_in_executor(None, self.store.manifest, adapter_id)
+        local = await loop.run_in_executor(None, self.store.fetch, adapter_id, manifest)
+        name = AdapterVersion(adapter_id, local.name, "", 0.0).key  # the version the files really are
+        await loop.run_in_executor(self.model_thread, self._attach, name, str(local))
         self.first_use_s.setdefault(adapter_id, round(time.perf_counter() - started, 3))
-        return AdapterHandle(self, adapter_id)
+        return AdapterHandle(self, name)
 
-    def _attach(self, adapter_id: str, folder: str) -> None:
-        if adapter_id not in self.model.peft_config:
-            self.model.load_adapter(folder, adapter_name=adapter_id)
-        self.in_lru.add(adapter_id)
+    def _attach(self, name: str, folder: str) -> None:
+        if name not in self.model.peft_config:
+            self.model.load_adapter(folder, adapter_name=name)
+        self.adapter_folders[name] = folder
+        self.in_lru.add(name)
 
-    def _detach(self, adapter_id: str) -> None:
-        if adapter_id not in self.in_lru and adapter_id in self.model.peft_config:
+    def _detach(self, name: str) -> None:
+        if name not in self.in_lru and name in self.model.peft_config:
             self.model.set_adapter("__base__")
-            self.model.delete_adapter(adapter_id)
+            self.model.delete_adapter(name)
 
-    def unload_adapter(self, adapter_id: str) -> None:
+    def unload_adapter(self, name: str) -> None:
         """Called when the LRU evicts an adapter: queue its removal on the model thread."""
-        self.in_lru.discard(adapter_id)
-        self.model_thread.submit(self._detach, adapter_id)
+        self.in_lru.discard(name)
+        self.model_thread.submit(self._detach, name)
 
-    def _split_model(self, name: str) -> "str | None":
-        from shared.storage import check_adapter_id
+    async def _adapter(self, adapter_id: str) -> tuple[str, str]:
+        """Returns (peft adapter name, fingerprint) of the adapter's current version, loaded; RequestError if absent."""
+        from botocore.exceptions import BotoCoreError, ClientError
 
-        base, _, adapter = name.partition(":")
-        if base != self.base_id:
-            raise _error(404, f"model {name!r} not found: this server serves {self.base_id!r} and "
-                              f"'{self.base_id}:<adapter_id>'", "not_found_error")
-        if not _:
-            return None
+        from shared.adapters import AdapterChanging, AdapterNotFound
+
+        if self.store is None:
+            raise RequestError(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
+                               "not_found_error", param="model", code="model_not_found")
         try:
-            return check_adapter_id(adapter)
-        except ValueError as exc:
-            raise _error(400, str(exc)) from None
+            version = await self._current_version(adapter_id)
+            handle = await self.get_adapter(f"{adapter_id}@{version.version}")
+        except AdapterNotFound as exc:
+            raise RequestError(404, str(exc), "not_found_error", param="model", code="model_not_found") from None
+        except AdapterChanging as exc:
+            raise RequestError(503, str(exc), "server_error") from None
+        except (BotoCoreError, ClientError) as exc:
+            raise RequestError(503, f"the adapter store (S3) did not answer for {adapter_id!r}: {exc}; try again",
+                               "server_error") from None
+        return handle.name, f"{adapter_id}@{handle.name.rpartition('__')[2]}"
 
     # ---- routes ------------------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
         if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-            raise _error(401, "missing or wrong bearer token (Authorization: Bearer $SERVER_API_KEY)", "authentication_error")
+            raise RequestError(401, "missing or wrong bearer token (Authorization: Bearer $SERVER_API_KEY)",
+                               "authentication_error", code="invalid_api_key")
 
     @api.get("/healthz")
     async def healthz(self):
         return {"status": "ok", "model": self.base_id}
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        self._authorize(request)
+        return api.openapi()
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        self._authorize(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=api.title)
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -141,109 +241,93 @@ class MazeServer:
         ids = [self.base_id] + [f"{self.base_id}:{a}" for a in adapters]
         return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "maze-grpo"} for i in ids]}
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=CHAT_BODY_SCHEMA)
     async def chat(self, request: Request):
         self._authorize(request)
+        raw = await request.body()
+        if len(raw) > self.cfg.server.max_request_bytes:
+            raise RequestError(413, f"request body is {len(raw)} bytes; this server accepts at most "
+                                    f"{self.cfg.server.max_request_bytes} (server.max_request_bytes)")
         try:
-            body = ChatRequest.model_validate(await request.json())
-        except Exception as exc:
-            raise HTTPException(status_code=422 if not isinstance(exc, ValueError) or "JSON" not in str(exc) else 400,
-                                detail={"error": {"message": f"malformed request: {str(exc)[:300]}",
-                                                  "type": "invalid_request_error"}}) from None
-        adapter_id = self._split_model(body.model)
-        messages = self._validate_messages(body.messages)
-        if adapter_id is not None:
-            if self.store is None:
-                raise _error(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters", "not_found_error")
-            from shared.adapters import AdapterNotFound
-
-            try:
-                await self.get_adapter(adapter_id)
-            except AdapterNotFound as exc:
-                raise _error(404, str(exc), "not_found_error") from None
+            payload = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RequestError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
+        body = parse_chat_request(payload)
+        adapter_id = split_model(body.model, self.base_id)
+        messages = parse_messages(body.messages, self.limits)
+        loop = asyncio.get_running_loop()
+        check_prompt_tokens(await loop.run_in_executor(self.count_thread, self._prompt_tokens, messages), self.limits)
+        adapter_name, fingerprint = (None, "base") if adapter_id is None else await self._adapter(adapter_id)
         max_tokens = min(body.max_tokens or self.cfg.server.max_new_tokens, self.cfg.server.max_new_tokens)
-        try:
-            completion = await self.generate_batched((adapter_id, messages, body.temperature, max_tokens, body.seed))
-        except Exception as exc:  # a failed generation fails this request, never the replica
-            raise _error(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error") from None
+        completion = await self.generate_batched((adapter_name, messages, body.temperature, max_tokens, body.seed))
+        if isinstance(completion, Exception):  # this request failed on its own; its batch neighbours did not
+            raise RequestError(500, f"generation failed: {type(completion).__name__}: {str(completion)[:300]}",
+                               "server_error")
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.model,
+            "system_fingerprint": fingerprint,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
                          "finish_reason": "stop" if completion.token_ids and completion.token_ids[-1] in self.engine.stop_ids else "length"}],
             "usage": {"completion_tokens": len(completion.token_ids)},
         }
 
-    def _validate_messages(self, messages: list[dict]) -> list[dict]:
-        """Returns messages with images decoded; 400 on a bad role, part, image, or too many images."""
-        from shared.maze.render import decode_data_uri
+    def _prompt_tokens(self, messages: list[dict]) -> int:
+        """Returns the prompt's length in tokens as the model would see it (image tokens included)."""
+        from shared.models.chat import images_of
+        from shared.models.engine import text_ids
 
-        limits = self.cfg.server
-        clean, images = [], 0
-        for message in messages:
-            role, content = message.get("role"), message.get("content")
-            if role not in ("system", "user", "assistant"):
-                raise _error(400, f"message role {role!r} is not one of system, user, assistant")
-            if isinstance(content, str):
-                clean.append({"role": role, "content": [{"type": "text", "text": content}]})
-                continue
-            if not isinstance(content, list):
-                raise _error(400, "message content must be a string or a list of parts")
-            parts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text" and isinstance(part.get("text"), str):
-                    parts.append({"type": "text", "text": part["text"]})
-                elif kind == "image_url":
-                    images += 1
-                    if images > limits.max_images_per_request:
-                        raise _error(400, f"too many images: at most {limits.max_images_per_request} per request")
-                    url = part.get("image_url")
-                    url = url.get("url") if isinstance(url, dict) else url
-                    try:
-                        parts.append({"type": "image", "image": decode_data_uri(url, limits.max_image_bytes)})
-                    except ValueError as exc:
-                        raise _error(400, f"image {images}: {exc}") from None
-                else:
-                    raise _error(400, f"unsupported content part {kind!r}: use text or image_url parts")
-            clean.append({"role": role, "content": parts})
-        return clean
+        try:
+            text = self.count_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return len(text_ids(self.count_processor, text, images_of(messages)))
+        except Exception as exc:  # the chat template refused these messages: this request's fault alone
+            raise RequestError(400, f"messages cannot be formatted for the model: {type(exc).__name__}: "
+                                    f"{str(exc)[:200]}", param="messages") from None
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.02)
     async def generate_batched(self, requests: list[tuple]) -> list:
-        """Runs a batch of requests, one engine call per (adapter, temperature, max_tokens, seed) group."""
-        results = [None] * len(requests)
+        """Returns one Completion (or the Exception that request alone raised) per request.
+
+        One engine call per (adapter, temperature, max_tokens, seed) group; when a group's call fails, its
+        requests are run one by one, so only the request that fails gets the error.
+        """
+        results: list = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
-        for index, (adapter_id, _, temperature, max_tokens, seed) in enumerate(requests):
-            groups.setdefault((adapter_id, temperature, max_tokens, seed), []).append(index)
+        for index, (adapter_name, _, temperature, max_tokens, seed) in enumerate(requests):
+            groups.setdefault((adapter_name, temperature, max_tokens, seed), []).append(index)
         loop = asyncio.get_running_loop()
-        for (adapter_id, temperature, max_tokens, seed), indices in groups.items():
-            conversations = [requests[i][1] for i in indices]
-            completions = await loop.run_in_executor(self.model_thread, self._generate, adapter_id, conversations,
-                                                     temperature, max_tokens, seed)
-            for i, completion in zip(indices, completions):
-                results[i] = completion
+        for (adapter_name, temperature, max_tokens, seed), indices in groups.items():
+            chunks = [indices]
+            try:
+                completions = await loop.run_in_executor(self.model_thread, self._generate, adapter_name,
+                                                         [requests[i][1] for i in indices], temperature, max_tokens, seed)
+                for i, completion in zip(indices, completions):
+                    results[i] = completion
+                continue
+            except Exception as exc:
+                if len(indices) == 1:
+                    results[indices[0]] = exc
+                    continue
+                chunks = [[i] for i in indices]
+            for (i,) in chunks:
+                try:
+                    (results[i],) = await loop.run_in_executor(self.model_thread, self._generate, adapter_name,
+                                                               [requests[i][1]], temperature, max_tokens, seed)
+                except Exception as exc:
+                    results[i] = exc
         return results
 
-    def _generate(self, adapter_id, conversations, temperature, max_tokens, seed):
-        if adapter_id is None:
+    def _generate(self, adapter_name, conversations, temperature, max_tokens, seed):
+        if adapter_name is None:
             with self.model.disable_adapter():
                 return self.engine.generate(conversations, temperature, max_tokens, seed)
-        if adapter_id not in self.model.peft_config:
-            # Evicted from the LRU by a newer adapter after this request loaded it: reload from the cache.
-            self.model.load_adapter(str(self.store.fetch(adapter_id)), adapter_name=adapter_id)
+        if adapter_name not in self.model.peft_config:
+            # Evicted from the LRU by a newer adapter after this request loaded it: reload this version's files.
+            self.model.load_adapter(self.adapter_folders[adapter_name], adapter_name=adapter_name)
         try:
-            self.model.set_adapter(adapter_id)
+            self.model.set_adapter(adapter_name)
             return self.engine.generate(conversations, temperature, max_tokens, seed)
         finally:
-            self._detach(adapter_id)  # only if the LRU let go of it meanwhile
-
-
-async def _json_errors(request: Request, exc: HTTPException):
-    detail = exc.detail if isinstance(exc.detail, dict) else {"error": {"message": str(exc.detail), "type": "error"}}
-    return JSONResponse(status_code=exc.status_code, content=detail)
-
-
-api.add_exception_handler(HTTPException, _json_errors)
+            self._detach(adapter_name)  # only if the LRU let go of it meanwhile

@@ -18,6 +18,7 @@ from shared.config import DEFAULT_CONFIG, ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv_given = argv
     argv = sys.argv[1:] if argv is None else argv
     submitting = argv[:1] == ["submit"]
     parser = argparse.ArgumentParser(prog="python -m services.trainer" + (" submit" if submitting else ""),
@@ -51,24 +52,36 @@ def main(argv: list[str] | None = None) -> None:
         if record.get("status") not in (None, "SUCCEEDED"):
             sys.exit(1)
         return
-    if cfg.backend == "skyrl":
-        from services.trainer import skyrl_backend
+    from services.trainer import skyrl_backend  # SkyRL itself is imported only when a skyrl run starts
 
+    if (args.dry_run or args.preflight) and cfg.backend != "skyrl":
+        sys.exit("--dry-run and --preflight apply to the skyrl backend (they check SkyRL's config); the local backend just runs")
+    if args.dry_run:
         try:
-            if args.dry_run:
-                skyrl_backend.dry_run(cfg, args.config)
-            elif args.preflight:
-                skyrl_backend.preflight(cfg)
-            else:
-                skyrl_backend.run(cfg)
+            skyrl_backend.dry_run(cfg, args.config)
         except skyrl_backend.SkyRLRejected as exc:
             sys.exit(f"error: {exc}")
         return
-    if args.dry_run or args.preflight:
-        sys.exit("--dry-run and --preflight apply to the skyrl backend (they check SkyRL's config); the local backend just runs")
-    from services.trainer.grpo import Trainer
+    if argv_given is None and cfg.backend == "local" and not cfg.cluster.ray_address:
+        from shared.local_ray import enter_loopback
 
-    Trainer(cfg).run()
+        enter_loopback()  # the in-process Ray listens on loopback only (re-runs this command once)
+    from services.trainer.run_lock import RunLock, RunLocked
+    from shared.models.engine import ModelLoadError
+    from shared.storage import SharedVolume
+
+    try:
+        with RunLock(SharedVolume(cfg.shared_path()).run(cfg.run_id), warn=lambda m: print(m, file=sys.stderr)):
+            if args.preflight:
+                skyrl_backend.preflight(cfg)
+            elif cfg.backend == "skyrl":
+                skyrl_backend.run(cfg)
+            else:
+                from services.trainer.grpo import Trainer
+
+                Trainer(cfg).run()
+    except (RunLocked, ModelLoadError, ConfigError, skyrl_backend.SkyRLRejected) as exc:
+        sys.exit(f"error: {exc}")
 
 
 if __name__ == "__main__":

@@ -256,13 +256,17 @@ class Trainer:
         def run_eval(at_step: int) -> dict:
             out = volume.eval(run_id, f"global_step_{at_step}")
             if (out / "summary.json").exists():
-                return json.loads((out / "summary.json").read_text())
-            model.eval()
-            summary, _ = evaluate(engine, eval_set, eval_settings, out, model=cfg.model.base_model_id,
-                                  adapter=f"{run_id}@global_step_{at_step}", extra={"step": at_step})
-            append_jsonl(self.run_dir / "evals" / "history.jsonl", {"step": at_step, **summary})
-            history[at_step] = summary
-            self.log(f"eval @ step {at_step}: " + describe(summary))
+                # Evaluated before a restart (the replayed step reproduces that model): reuse it, and keep
+                # history.jsonl and the final table whole, since the restart dropped lines past its checkpoint.
+                summary = json.loads((out / "summary.json").read_text())
+            else:
+                model.eval()
+                summary, _ = evaluate(engine, eval_set, eval_settings, out, model=cfg.model.base_model_id,
+                                      adapter=f"{run_id}@global_step_{at_step}", extra={"step": at_step})
+                self.log(f"eval @ step {at_step}: " + describe(summary))
+            if at_step not in history:
+                append_jsonl(self.run_dir / "evals" / "history.jsonl", {"step": at_step, **summary})
+                history[at_step] = summary
             return summary
 
         if cfg.schedule.eval_before_train and step == 0:
@@ -389,8 +393,10 @@ class Trainer:
         if address:
             ray.init(address=address, **quiet)
         else:
+            from shared.local_ray import init_local_ray
+
             port = int(os.environ.get("RAY_METRICS_EXPORT_PORT", "0")) or None
-            ray.init(include_dashboard=False, _metrics_export_port=port, _node_ip_address="127.0.0.1", **quiet)
+            init_local_ray(_metrics_export_port=port, **quiet)
 
     def _sync(self, model, workers, step: int) -> None:
         """Writes the adapter to lora_sync/ atomically and has every worker load it."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.config import RunConfig, add_config_arguments, config_from_args
+from shared.config import ConfigError, RunConfig, add_config_arguments, config_from_args
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
 from shared.maze.core import Maze, MazeEpisode, solve
@@ -162,6 +162,12 @@ def ensure_sft(cfg: RunConfig, log=print) -> Path:
     out_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
     if is_complete(out_dir) or cfg.model.bootstrap == "none":
         return out_dir
+    ours = (out_dir / "manifest.json").is_file()  # a model this bootstrap wrote (now corrupt): rebuilt in place
+    if out_dir.exists() and not ours and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        # Not ours to overwrite: the bootstrap builds the model only where nothing is.
+        raise ConfigError(f"config error: model.path = {cfg.model.path!r} ({out_dir}) exists but is not a complete "
+                          "model (no verified manifest.json); point model.path at a new folder to build the tiny SFT "
+                          "model there, or set model.bootstrap=none to train from an HF checkpoint folder")
     return run_sft(cfg, log=log)
 
 

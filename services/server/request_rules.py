@@ -1,0 +1,151 @@
+"""The rules a chat-completions request passes before any model sees it, and the errors it gets otherwise.
+
+Kept apart from the deployment so any app in front of a model (the CPU server here, or one in front of
+vLLM) applies the same rules and answers with the same OpenAI-shaped error bodies:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+
+Everything here is plain Python: `parse_chat_request` turns a JSON body into a `ChatRequest` or raises
+`RequestError` (status + body); `check_prompt_tokens` applies the prompt-size limit once the caller has
+counted the prompt's tokens with its own tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared.storage import check_adapter_id
+
+# Sampling at a temperature this close to 0 divides logits into inf/NaN; 0 itself means greedy.
+MIN_TEMPERATURE = 0.01
+INT64_MAX = 2**63 - 1
+
+
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and an OpenAI-shaped error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """Returns the OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ChatRequest(BaseModel):
+    """The fields of an OpenAI chat-completions request this server reads (others are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model: str = Field(min_length=1, max_length=512)
+    messages: list[dict] = Field(min_length=1, max_length=1024)
+    temperature: float = Field(0.0, ge=0, le=5)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    stream: bool = False
+
+
+@dataclass
+class ChatLimits:
+    """The server's per-request limits (from the `server` config section)."""
+
+    max_images_per_request: int
+    max_image_bytes: int
+    max_prompt_tokens: int
+
+
+def parse_chat_request(body) -> ChatRequest:
+    """Returns the validated request; RequestError (400) naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise RequestError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    try:
+        request = ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        raise RequestError(400, f"{param or 'body'}: {error['msg']}", param=param) from None
+    if request.stream:
+        raise RequestError(400, "stream=true is not supported by this server: send stream=false (or leave it out) "
+                                "and read the whole reply", param="stream")
+    if 0 < request.temperature < MIN_TEMPERATURE:
+        raise RequestError(400, f"temperature {request.temperature!r} is too small to sample with: use 0 for greedy "
+                                f"decoding or a value of at least {MIN_TEMPERATURE}", param="temperature")
+    return request
+
+
+def split_model(name: str, base_id: str) -> str | None:
+    """Returns the adapter id of `<base>:<adapter>` (None for the base model); RequestError 404/400 otherwise."""
+    base, colon, adapter = name.partition(":")
+    if base != base_id:
+        raise RequestError(404, f"model {name!r} not found: this server serves {base_id!r} and "
+                                f"'{base_id}:<adapter_id>'", "not_found_error", param="model", code="model_not_found")
+    if not colon:
+        return None
+    try:
+        return check_adapter_id(adapter)
+    except ValueError as exc:
+        raise RequestError(400, str(exc), param="model") from None
+
+
+def parse_messages(messages: list[dict], limits: ChatLimits) -> list[dict]:
+    """Returns messages as the engine takes them (images decoded); RequestError 400 on a bad role, part or image."""
+    from shared.maze.render import decode_data_uri
+
+    clean, images = [], 0
+    for index, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        param = f"messages.{index}"
+        if role not in ("system", "user", "assistant"):
+            raise RequestError(400, f"message role {role!r} is not one of system, user, assistant", param=f"{param}.role")
+        if isinstance(content, str):
+            clean.append({"role": role, "content": [{"type": "text", "text": content}]})
+            continue
+        if not isinstance(content, list):
+            raise RequestError(400, "message content must be a string or a list of parts", param=f"{param}.content")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                images += 1
+                if images > limits.max_images_per_request:
+                    raise RequestError(400, f"too many images: at most {limits.max_images_per_request} per request",
+                                       param=f"{param}.content")
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise RequestError(400, f"image {images}: image_url.url must be a data URI string",
+                                       param=f"{param}.content")
+                try:
+                    parts.append({"type": "image", "image": decode_data_uri(url, limits.max_image_bytes)})
+                except ValueError as exc:
+                    raise RequestError(400, f"image {images}: {exc}", param=f"{param}.content") from None
+            else:
+                raise RequestError(400, f"unsupported content part {kind!r}: use text or image_url parts",
+                                   param=f"{param}.content")
+        clean.append({"role": role, "content": parts})
+    prompt_chars = sum(len(p["text"]) for m in clean for p in m["content"] if p["type"] == "text")
+    # A cheap bound before any tokenizer runs: no prompt this long fits the token limit in practice.
+    if prompt_chars > 16 * limits.max_prompt_tokens:
+        raise RequestError(413, f"prompt text is {prompt_chars} characters, far beyond the limit of "
+                                f"{limits.max_prompt_tokens} tokens (server.max_prompt_tokens): send a shorter prompt",
+                           param="messages", code="context_length_exceeded")
+    return clean
+
+
+def check_prompt_tokens(count: int, limits: ChatLimits) -> None:
+    """Raises RequestError 413 when the prompt (images included) has more tokens than the limit."""
+    if count > limits.max_prompt_tokens:
+        raise RequestError(413, f"prompt is {count} tokens (images included); this server accepts at most "
+                                f"{limits.max_prompt_tokens} (server.max_prompt_tokens): send a shorter prompt",
+                           param="messages", code="context_length_exceeded")

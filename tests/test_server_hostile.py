@@ -1,0 +1,243 @@
+"""Hostile input against the real server over HTTP: each bad request gets its own clear 4xx in the OpenAI
+error shape, the requests sent beside it get their answers, and the server is alive afterwards."""
+
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from shared.maze import generate
+from shared.maze.render import data_uri, render_rgb
+
+REPO = Path(__file__).resolve().parent.parent
+KEY = "test-key-123"  # the server fixture's SERVER_API_KEY (conftest.py)
+BASE = "tiny-qwen3vl-sft"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _valid(seed: int, model: str = BASE) -> dict:
+    image = data_uri(render_rgb(generate("maze_2d/easy", seed), 16))
+    return {"model": model, "max_tokens": 6, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "9x9 maze"}, {"type": "image_url", "image_url": {"url": image}}]}]}
+
+
+def _post(url: str, body=None, content: bytes | None = None, headers=None, timeout=180):
+    headers = AUTH if headers is None else headers
+    if content is not None:
+        return httpx.post(f"{url}/v1/chat/completions", content=content,
+                          headers={**headers, "Content-Type": "application/json"}, timeout=timeout)
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=timeout)
+
+
+def _assert_error(response, status: int, word: str):
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    error = response.json()["error"]  # OpenAI's shape: {"error": {"message", "type", "param", "code"}}
+    assert set(error) >= {"message", "type", "param", "code"}, error
+    assert word in error["message"], error
+
+
+def test_one_bad_request_does_not_fail_its_batch(server):
+    url, *_ = server
+    bad = {"temperature 1e-300": {**_valid(0), "temperature": 1e-300},
+           "seed 2**64": {**_valid(0), "seed": 2**64},
+           "image placeholder in text": {**_valid(0), "messages": [{"role": "user", "content": "a <|image_pad|> b"}]}}
+    bodies = [_valid(i) for i in range(16)] + list(bad.values())
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(pool.map(lambda b: _post(url, b), bodies))
+    assert [r.status_code for r in responses[:16]] == [200] * 16, [r.text[:200] for r in responses[:16]]
+    for name, response in zip(bad, responses[16:]):
+        assert response.status_code == 400, (name, response.status_code, response.text[:300])
+        assert "error" in response.json(), name
+    assert "temperature" in responses[16].json()["error"]["message"]
+    assert responses[17].json()["error"]["param"] == "seed"
+
+
+def test_prompt_size_limit_in_tokens(server):
+    url, *_ = server
+    # Below the cheap character bound, above 1,000 tokens: counted by the tokenizer.
+    counted = _post(url, {**_valid(0), "messages": [{"role": "user", "content": "maze " * 1500}]})
+    _assert_error(counted, 413, "max_prompt_tokens")
+    assert counted.json()["error"]["code"] == "context_length_exceeded"
+    # A 40,000-character prompt is refused at once, and a normal request sent beside it is not held up.
+    with ThreadPoolExecutor(2) as pool:
+        started = time.perf_counter()
+        long_one = pool.submit(_post, url, {**_valid(0), "messages": [{"role": "user", "content": "x" * 40_000}]})
+        time.sleep(0.2)
+        normal = pool.submit(_post, url, _valid(3))
+        _assert_error(long_one.result(), 413, "max_prompt_tokens")
+        assert normal.result().status_code == 200
+        assert time.perf_counter() - started < 20
+
+
+def test_bad_bodies_get_a_clear_400_never_a_500(server):
+    url, *_ = server
+    cases = {
+        "not json": (_post(url, content=b"{not json"), 400, "JSON"),
+        "not utf-8": (_post(url, content=b'{"model": "\xff\xfe"}'), 400, "JSON"),
+        "a list": (_post(url, [1, 2]), 400, "object"),
+        "a string": (_post(url, "hello"), 400, "object"),
+        "no messages": (_post(url, {"model": BASE}), 400, "messages"),
+        "empty messages": (_post(url, {"model": BASE, "messages": []}), 400, "messages"),
+        "NaN temperature": (_post(url, content=b'{"model": "%s", "temperature": NaN, "messages": [{"role": "user", '
+                                                b'"content": "hi"}]}' % BASE.encode()), 400, "temperature"),
+        "huge max_tokens": (_post(url, {**_valid(0), "max_tokens": 10**30}), 400, "max_tokens"),
+        "negative max_tokens": (_post(url, {**_valid(0), "max_tokens": -1}), 400, "max_tokens"),
+        "n=2": (_post(url, {**_valid(0), "n": 2}), 400, "n"),
+        "messages not objects": (_post(url, {"model": BASE, "messages": ["hi"]}), 400, "messages"),
+        "part not an object": (_post(url, {"model": BASE, "messages": [{"role": "user", "content": [7]}]}), 400,
+                               "content part"),
+        "image url not a string": (_post(url, {"model": BASE, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": 5}}]}]}), 400, "data URI"),
+        "model not a string": (_post(url, {**_valid(0), "model": ["x"]}), 400, "model"),
+        "adapter id with a newline": (_post(url, _valid(0, f"{BASE}:x\n")), 400, "invalid"),
+        "adapter id with a slash": (_post(url, _valid(0, f"{BASE}:a/b")), 400, "invalid"),
+        "unknown model": (_post(url, _valid(0, "gpt-4")), 404, "gpt-4"),
+        "stream": (_post(url, {**_valid(0), "stream": True}), 400, "stream"),
+        "body too large": (_post(url, content=b" " * 1_600_000), 413, "max_request_bytes"),
+        "no token": (_post(url, _valid(0), headers={}), 401, "token"),
+    }
+    for name, (response, status, word) in cases.items():
+        assert response.status_code == status, (name, response.status_code, response.text[:300])
+        error = response.json()["error"]
+        assert word in error["message"] or word == error.get("param"), (name, error)
+    unknown = httpx.get(f"{url}/v1/nothing", headers=AUTH)
+    assert unknown.status_code == 404 and "error" in unknown.json()
+    wrong_method = httpx.get(f"{url}/v1/chat/completions", headers=AUTH)
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    assert _post(url, _valid(5)).status_code == 200, "the server still answers after all of that"
+
+
+def test_schema_and_docs_need_the_token(server):
+    url, *_ = server
+    for path in ("/openapi.json", "/docs"):
+        assert httpx.get(f"{url}{path}").status_code == 401, path
+        assert httpx.get(f"{url}{path}", headers=AUTH).status_code == 200, path
+    schema = httpx.get(f"{url}/openapi.json", headers=AUTH).json()
+    assert "requestBody" in schema["paths"]["/v1/chat/completions"]["post"]
+
+
+def _fingerprint(url: str, model: str) -> str:
+    response = _post(url, _valid(0, model))
+    assert response.status_code == 200, response.text[:300]
+    return response.json()["system_fingerprint"]
+
+
+def test_a_re_pointed_alias_is_served_within_the_revalidation_time(server):
+    url, cfg, run_id, env, _ = server
+    from shared.adapters import AdapterStore, adapter_version
+
+    store = AdapterStore.from_config(cfg)
+    version = {step: adapter_version(store.manifest(f"{run_id}-step{step}")) for step in (2, 4)}
+    assert version[2] != version[4]
+
+    def point(pick: str):
+        subprocess.run([sys.executable, "-m", "services.exporter", "--run", run_id, "--alias", "live", "--pick", pick],
+                       env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
+
+    point("latest")  # step 4
+    assert _fingerprint(url, f"{BASE}:live") == f"live@{version[4]}"
+    point("best")  # step 2 holds the better eval in the fixture
+    moved = time.monotonic()
+    while _fingerprint(url, f"{BASE}:live") != f"live@{version[2]}":
+        assert time.monotonic() - moved < 15, "the server kept serving the alias's old adapter"
+        time.sleep(0.3)
+    # The step's own id and the alias now name the same files.
+    assert _fingerprint(url, f"{BASE}:{run_id}-step2") == f"{run_id}-step2@{version[2]}"
+
+
+def test_schemathesis_finds_no_server_error(server):
+    """Requests generated by schemathesis from the server's own OpenAPI schema, valid and invalid, a fixed number per
+    route and mode: none may get a 5xx, and the server answers afterwards.
+
+    Cases are sent with httpx: schemathesis's own requests transport breaks on the urllib3 that another package
+    (niquests, via grafana-client) installs in the same venv.
+    """
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.generation.modes import GenerationMode
+
+    url, *_ = server
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{url}/openapi.json", headers=AUTH).json())
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/models", "/healthz"}
+    server_errors = []
+    for operation in operations:
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
+        for mode in modes:
+            @settings(max_examples=20, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def send(case):
+                request = case.as_transport_kwargs(base_url=url, headers=AUTH)
+                body = {"json": request["json"]} if "json" in request else {"content": request.get("data")}
+                response = httpx.request(request["method"], request["url"], params=request.get("params"),
+                                         headers=request.get("headers"), timeout=180, **body)
+                if response.status_code >= 500:
+                    server_errors.append((request["method"], request["url"], str(body)[:300], response.text[:300]))
+
+            send()
+    assert not server_errors, server_errors[:3]
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    assert _post(url, _valid(7)).status_code == 200
+
+
+
+def test_ray_behind_the_server_listens_on_loopback_only(server, loopback_only):
+    *_, pid = server
+    listeners = loopback_only(pid)
+    assert any(name.startswith(("raylet", "gcs_server")) for _, name in listeners), listeners
+
+
+def test_no_ray_process_outlives_a_sigkilled_server(tiny_model_dir, s3_endpoint, tmp_path):
+    import os
+    import signal
+
+    import psutil
+
+    from shared.net import wait_for_http
+    from shared.storage import s3_client
+
+    s3_client(s3_endpoint).create_bucket(Bucket="killed")
+    port = _free_port()
+    env = {**os.environ, "SHARED_DIR": str(tmp_path), "AWS_ENDPOINT_URL": s3_endpoint, "S3_URI": "s3://killed/p",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("SERVER_API_KEY", None)
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "services.server", f"model.path={tiny_model_dir}",
+                             f"model.base_model_id={BASE}", f"server.port={port}"], env=env, cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    family = []
+    try:
+        def alive():
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+
+        wait_for_http(f"http://127.0.0.1:{port}/healthz", timeout_s=240, alive=alive)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert {"raylet", "gcs_server"} <= {p.name() for p in family}
+        os.kill(proc.pid, signal.SIGKILL)  # the server alone, as `kill -9 <pid>` would
+        proc.wait(timeout=30)
+        deadline = time.time() + 60
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family):
+            left = [p.name() for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            assert time.time() < deadline, f"Ray processes outlived the server: {left}"
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for process in family:  # whatever a failed run left behind
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
