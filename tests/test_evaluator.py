@@ -90,11 +90,18 @@ def test_compare(evaluation, tmp_path):
 
 def test_watch_evaluates_each_export_once(exported_run, tiny_model_dir):
     volume, run_id = exported_run
+    # SkyRL's eval dump of step 4, in the form SkyRL writes it (tests/skyrl checks SkyRL's own writer against the reader).
+    dump = volume.run(run_id) / "exports" / "dumped_evals" / "global_step_4_evals" / "aggregated_results.jsonl"
+    dump.parent.mkdir(parents=True, exist_ok=True)
+    dump.write_text(json.dumps({"eval/all/pass_at_1": 1.0, "eval/all/environment/solved": 0.25}) + "\n")
     args = ["--watch", run_id, "--once", f"model.path={tiny_model_dir}", "env.eval_seeds=0-3"]
     first = _evaluate(volume.root, *args)
     assert first.returncode == 0, first.stderr[-2000:]
     history = volume.run(run_id) / "evals" / "watch" / "history.jsonl"
-    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [2, 4]
+    rows = [json.loads(line) for line in history.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4]
+    assert "skyrl_solve_rate" not in rows[0] and rows[1]["skyrl_solve_rate"] == 0.25, "solved, never pass_at_1"
+    assert "step 4: SkyRL's in-loop eval solved 25.0%" in first.stdout
     assert (history.parent / "solve_rate_vs_step.png").exists()
     again = _evaluate(volume.root, *args)
     assert again.returncode == 0 and "solved" not in again.stdout  # nothing redone

@@ -21,7 +21,7 @@ from pathlib import Path
 from services.evaluator.report import write_comparison, write_gifs, write_report
 from shared.config import CommandLineParser, ConfigError, RunConfig, load_config
 from shared.episodes import EpisodeSettings
-from shared.evaluation import describe, evaluate, plot_solve_rate
+from shared.evaluation import describe, evaluate, plot_solve_rate, skyrl_solve_rates
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.models.engine import LocalEngine, ModelLoadError
 from shared.storage import (
@@ -121,7 +121,11 @@ def complete_exports(volume: SharedVolume, run_id: str) -> list[tuple[int, Path]
 
 
 def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: float) -> None:
-    """Evaluates each complete export of a run once; keeps history.jsonl and solve_rate_vs_step.png."""
+    """Evaluates each complete export of a run once; keeps history.jsonl and solve_rate_vs_step.png.
+
+    On a SkyRL run, each history row also carries `skyrl_solve_rate`: SkyRL's own eval of that step
+    (`eval/all/environment/solved` from its eval dumps), printed beside ours.
+    """
     volume = SharedVolume(cfg.shared_path())
     model_dir = volume.model(cfg.model.path)
     history_path = volume.run(run_id) / "evals" / "watch" / "history.jsonl"
@@ -137,7 +141,12 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
                 if once:
                     exit_on_errors([summary], out)
                 continue
-            append_jsonl(history_path, {"step": step, **summary})
+            row = {"step": step, **summary}
+            skyrl_rate = skyrl_solve_rates(volume.run(run_id)).get(step)
+            if skyrl_rate is not None:
+                row["skyrl_solve_rate"] = skyrl_rate
+                print(f"step {step}: SkyRL's in-loop eval solved {skyrl_rate:.1%} (eval/all/environment/solved)")
+            append_jsonl(history_path, row)
         history = sorted(read_jsonl(history_path), key=lambda r: r["step"])
         if history:
             plot_solve_rate(history_path.parent / "solve_rate_vs_step.png", [r["step"] for r in history],

@@ -272,7 +272,8 @@ def preflight(cfg: RunConfig) -> dict:
 
     first_val = json.loads(Path(skyrl_cfg.data.val_data[0]).read_text().splitlines()[0])
     seen = ray.get(make_env_in_worker.remote(first_val))
-    node = next(n for n in ray.nodes() if n["NodeID"] == seen.pop("node_id"))
+    node_id = seen.pop("node_id")
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
     # SkyRL's trainer loop is a 1-CPU task like this one: it runs where the CPUs are (the GPU workers on HyperPod).
     report = {"skyrl": SKYRL_VERSION, "ray_address": ray.get_runtime_context().gcs_address, **seen,
               "task_node_gpus": node["Resources"].get("GPU", 0), "solve_rate_metric": SKYRL_SOLVE_RATE_METRIC}
