@@ -20,6 +20,7 @@ never `eval/all/pass_at_1`: SkyRL counts an episode as passed when its reward is
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import sys
@@ -62,13 +63,14 @@ def batch_problems(cfg: RunConfig) -> list[str]:
     (`RayPPOTrainer._remove_tail_data`), silently; a profile must not rely on that.
     """
     gpus, n = training_gpus(cfg), cfg.rollout.n_samples_per_prompt
+    stride = gpus // math.gcd(gpus, n)  # maze counts that split evenly are the multiples of this
     problems = []
     for key, mazes in (("rollout.train_batch_size", cfg.rollout.train_batch_size),
                        ("algorithm.mini_batch_size", cfg.algorithm.mini_batch_size)):
-        if mazes and (mazes * n) % gpus:
-            fits = [m for m in range(1, 4 * mazes) if (m * n) % gpus == 0][:4]
+        if mazes and mazes % stride:
+            fits = ", ".join(str(stride * k) for k in range(1, 5))
             problems.append(f"{key}={mazes}: {mazes} mazes x {n} samples do not split over {gpus} GPUs, so SkyRL "
-                            f"would drop mazes every step; use a multiple of {fits[0]} (e.g. {', '.join(map(str, fits))})")
+                            f"would drop mazes every step; use a multiple of {stride} (e.g. {fits})")
     return problems
 
 
@@ -221,12 +223,11 @@ def dry_run(cfg: RunConfig, config_path: str | None = None) -> list[str]:
 
     Where SkyRL is installed (the GPU image, `.venv-skyrl`), SkyRL's own config code validates them first.
     """
-    problems = batch_problems(cfg)
-    if problems:
-        raise SkyRLRejected("; ".join(problems))
     if skyrl_installed():
         skyrl_config(cfg)
         verdict = f"# validated by SkyRL {SKYRL_VERSION} (SkyRLTrainConfig.from_cli_overrides + validate_cfg)"
+    elif batch_problems(cfg):
+        raise SkyRLRejected("; ".join(batch_problems(cfg)))
     else:
         verdict = f"# not validated: SkyRL is not installed here ({SKYRL_PIN} needs Python >= 3.12; use .venv-skyrl)"
     train, val = data_files(cfg)

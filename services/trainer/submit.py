@@ -97,6 +97,19 @@ def job_client(address: str):
     return JobSubmissionClient(address)
 
 
+def submit_when_ready(client, entrypoint: str, runtime_env: dict, metadata: dict, log, wait_s: float = 120) -> str:
+    """Submits the job; a head whose job agent is still starting ("No available agent") is asked again."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata)
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            log("the Ray head's job agent is still starting; submitting again in 5 s")
+            time.sleep(5)
+
+
 def job_spec(cfg: RunConfig, config_path: str, overrides: list[str], preflight: bool = False,
              environ: dict | None = None) -> tuple[str, dict]:
     """Returns (entrypoint, runtime_env) of the Ray job that runs `python -m services.trainer` for a profile."""
@@ -141,8 +154,7 @@ def submit(cfg: RunConfig, config_path: str, overrides: list[str], force: bool =
         log(f"preflight: HyperPod cluster {cluster_name} matches the config")
     client = job_client(address)
     entrypoint, runtime_env = job_spec(cfg, config_path, overrides, preflight=preflight)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                               metadata={"run_id": cfg.run_id, "project": "maze-grpo"})
+    job_id = submit_when_ready(client, entrypoint, runtime_env, {"run_id": cfg.run_id, "project": "maze-grpo"}, log)
     record = {"job_id": job_id, "address": address, "entrypoint": entrypoint,
               "submitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_json(SharedVolume(cfg.shared_path()).run(cfg.run_id) / "job.json", record)
