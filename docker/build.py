@@ -129,14 +129,46 @@ def fill_wheelhouse(torch_pins: list[str]) -> None:
         print(f"{' '.join(torch_pins)}: not in this host's pip sources; the images take them from the CPU index")
 
 
-def write_constraints() -> int:
-    """Writes docker/wheels/constraints.txt: this venv's versions, so the images get what the tests ran with."""
+def venv_mismatches() -> list[str]:
+    """Returns the pyproject.toml requirements this venv does not satisfy (empty when `make setup` made it)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + [r for extra, reqs in project["optional-dependencies"].items()
+                                        if extra != "gpu" for r in reqs]
+    problems = []
+    for line in wanted:
+        requirement = Requirement(line)
+        if requirement.name == project["name"]:
+            continue
+        try:
+            have = installed(requirement.name)
+        except PackageNotFoundError:
+            have = None
+        if have is None or not requirement.specifier.contains(have, prereleases=True):
+            problems.append(f"{requirement} (venv: {have or 'missing'})")
+    return problems
+
+
+def write_constraints() -> str:
+    """Writes docker/wheels/constraints.txt from this venv's versions, so the images get what the tests ran with.
+
+    Returns a line saying what was pinned; the file stays empty when the venv does not match pyproject.toml."""
+    target = ROOT / "docker" / "wheels" / "constraints.txt"
+    target.write_text("")
+    mismatches = venv_mismatches()
+    if mismatches:
+        return (f"no versions pinned: this venv does not match pyproject.toml ({mismatches[0]}; `make setup` "
+                "rebuilds it); pip resolves pyproject.toml's ranges in the images")
     proc = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True)
     # torch is the Dockerfile's own pin (a CPU build); pip's own tools stay as the base image has them.
     skip = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-[\w-]+|pip|setuptools|wheel)==", re.IGNORECASE)
     pins = [line for line in proc.stdout.splitlines() if "==" in line and not skip.match(line)]
-    (ROOT / "docker" / "wheels" / "constraints.txt").write_text("".join(f"{pin}\n" for pin in pins))
-    return len(pins)
+    target.write_text("".join(f"{pin}\n" for pin in pins))
+    return f"pinned {len(pins)} packages to this venv's versions (docker/wheels/constraints.txt)"
 
 
 def copy_ca_certs(source: Path | None) -> int:
@@ -202,7 +234,7 @@ def main(argv=None) -> None:
             build_args["BASE_IMAGE"] = resolve_base(client, args.base_image or dockerfile_arg("BASE_IMAGE"),
                                                     explicit=bool(args.base_image))
             fill_wheelhouse(dockerfile_arg("TORCH").split())
-            print(f"pinned {write_constraints()} packages to this venv's versions (docker/wheels/constraints.txt)")
+            print(write_constraints())
             trusted = copy_ca_certs(Path(args.ca_certs) if args.ca_certs else None)
             if trusted:
                 print(f"the images trust {trusted} extra CA certificate(s) from {args.ca_certs}")

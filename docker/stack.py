@@ -185,8 +185,8 @@ def wait_healthy(container, service: str, timeout_s: float) -> None:
             break
         time.sleep(1)
     tail = container.logs(tail=5).decode(errors="replace").strip().splitlines()
-    raise StackError(f"service {service} did not become healthy ({health(container)}; last log line: "
-                     f"{tail[-1][:200] if tail else 'none'}): see `docker logs {container.name}` before retrying")
+    raise StackError(f"service {service} did not become healthy ({health(container)}; its last log line: "
+                     f"{tail[-1][:200] if tail else 'none'}): fix that and start the stack again")
 
 
 # ---- up, run, down --------------------------------------------------------------------------------
