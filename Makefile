@@ -36,10 +36,10 @@ system-deps: ## Debian packages the tests drive for real (prometheus, chromium);
 	fi
 
 lint: setup ## Ruff over the code
-	$(PY) -m ruff check shared services tests bench
+	$(PY) -m ruff check shared services tests bench docker
 
 test: setup system-deps ## Lint, then the test suite (installs what it needs first)
-	$(PY) -m ruff check shared services tests bench
+	$(PY) -m ruff check shared services tests bench docker
 	$(PY) -m pytest $(ARGS)
 
 tiny-model: setup ## Build the tiny Qwen3-VL into $SHARED_DIR/models/tiny-qwen3vl
