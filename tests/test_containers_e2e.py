@@ -231,3 +231,20 @@ def test_failed_health_check_removes_what_it_started(images, client, tmp_path):
         assert client.networks.list(names=["mgtest-sick_default"]) == []
     finally:
         stack.down("mgtest-sick", volumes=True, log=_say)
+
+
+def test_up_takes_the_compose_tool_where_installed_and_down_removes_it(images, client):
+    tool = stack.compose_tool()
+    if tool is None:
+        pytest.skip("neither docker-compose nor `docker compose` is installed: `make up` uses the SDK path")
+    proc = _stack_cli("up", "s3", "--project", "mgtest-compose", env={"S3_PORT": "18105"})
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"with {' '.join(tool)}" in proc.stdout
+        (s3,) = stack.containers(client, "mgtest-compose")
+        assert stack.health(s3) == "healthy"
+        assert httpx.get("http://127.0.0.1:18105/", timeout=10).status_code == 200
+    finally:
+        down = _stack_cli("down", "--project", "mgtest-compose", "--volumes")
+    assert down.returncode == 0 and stack.containers(client, "mgtest-compose") == []
+    assert client.networks.list(names=["mgtest-compose_default"]) == []
