@@ -155,10 +155,11 @@ def port_in_use(ip: str, port: int) -> bool:
             return True
 
 
-def port_variable(compose_file: Path, port_spec_default: int) -> str:
-    """Returns the variable that moves a published port (e.g. S3_PORT), for the error message."""
-    match = re.search(rf"\$\{{(\w+):-{port_spec_default}\}}", compose_file.read_text())
-    return match.group(1) if match else "the compose file's ports"
+def port_variable(compose_file: Path, service: str, index: int) -> str:
+    """Returns the variable that moves a service's published port (e.g. S3_PORT), for the error message."""
+    raw = yaml.safe_load(compose_file.read_text())["services"][service]["ports"][index]
+    match = re.search(r"\$\{?(\w+)", str(raw).rsplit(":", 1)[0])
+    return match.group(1) if match else f"the ports of {service} in {compose_file.name}"
 
 
 def containers(client, project: str, service: str | None = None, every: bool = True) -> list:
@@ -237,10 +238,10 @@ def up(names: list[str] | None = None, project: str = PROJECT, environ: dict | N
         except docker.errors.ImageNotFound:
             raise StackError(f"image {image} (service {name}) is not here: run `make images` first"
                              + ("" if image.startswith("maze-grpo/") else " or pull it") ) from None
-        for ip, port, _ in published_ports(services[name]):
+        for index, (ip, port, _) in enumerate(published_ports(services[name])):
             if port_in_use(ip, port):
                 raise StackError(f"port {ip}:{port} (service {name}) is in use: stop what uses it, or set "
-                                 f"{port_variable(compose_file, port)} to a free port")
+                                 f"{port_variable(compose_file, name, index)} to a free port")
     if tool and todo:
         return _up_with_compose(tool, client, project, todo, services, compose_file, environ, health_timeout_s, log)
     created: list = []
@@ -286,6 +287,9 @@ def compose_tool() -> list[str] | None:
 def _up_with_compose(tool, client, project, todo, services, compose_file, environ, health_timeout_s, log) -> list[str]:
     """Starts the services with the compose tool, then waits for their health; takes them down on failure."""
     base = [*tool, "-p", project, "-f", str(compose_file)]
+    label = {"label": f"{PROJECT_LABEL}={project}"}
+    had_network = bool(client.networks.list(filters=label))
+    had_volumes = {v.name for v in client.volumes.list(filters=label)}
     proc = subprocess.run([*base, "up", "-d", "--no-build", *todo], env=environ, capture_output=True, text=True)
     try:
         if proc.returncode != 0:
@@ -298,6 +302,12 @@ def _up_with_compose(tool, client, project, todo, services, compose_file, enviro
     except BaseException:
         subprocess.run([*base, "stop", *todo], env=environ, capture_output=True)
         subprocess.run([*base, "rm", "-f", "-v", *todo], env=environ, capture_output=True)
+        if not containers(client, project):  # nothing of the project is left: what this call made goes too
+            for network in [] if had_network else client.networks.list(filters=label):
+                network.remove()
+            for volume in client.volumes.list(filters=label):
+                if volume.name not in had_volumes:
+                    volume.remove(force=True)
         raise
     log(f"started {', '.join(todo)} with {' '.join(tool)}")
     return todo
