@@ -180,10 +180,13 @@ def test_images_are_labelled_tagged_non_root_and_clean(images, client):
     # Nothing of the build or the tests in a service image: no wheels, pip cache, tests or build folders.
     # (Debian's ensurepip wheels and virtualenv's seed wheels are parts of installed packages, not leftovers.)
     for name in ("trainer-cpu", "exporter"):
-        leftovers = client.containers.run(
-            f"maze-grpo/{name}:latest", entrypoint=["sh", "-c"], remove=True, user="0",
+        container = client.containers.run(
+            f"maze-grpo/{name}:latest", entrypoint=["sh", "-c"], detach=True, user="0",
             command=["ls -d /tmp/* /root/.cache /home/app/.cache /app/tests /app/build /app/*.egg-info /app/.git "
-                     "/app/README.md /app/docker 2>/dev/null; find /tmp /app /root /home -name '*.whl'; true"]).decode()
+                     "/app/README.md /app/docker 2>/dev/null; find /tmp /app /root /home -name '*.whl'; true"])
+        container.wait(timeout=60)
+        leftovers = container.logs().decode()
+        container.remove(v=True)  # v: the anonymous volume the image's VOLUME /shared made
         assert leftovers.strip() == "", (name, leftovers)
 
 
