@@ -59,10 +59,10 @@ system-deps: ## Debian packages the tests drive for real (prometheus, chromium);
 	fi
 
 lint: setup ## Ruff over the code
-	$(PY) -m ruff check shared services tests bench
+	$(PY) -m ruff check shared services tests bench docker
 
 test: setup skyrl-env system-deps ## Lint, then the test suite, then SkyRL's code against ours (installs what it needs first)
-	$(PY) -m ruff check shared services tests bench
+	$(PY) -m ruff check shared services tests bench docker
 	$(PY) -m pytest $(ARGS)
 	$(SKYRL_PY) -m pytest tests/skyrl $(ARGS)
 
@@ -102,14 +102,17 @@ dashboards: setup ## Provision the four Ray dashboards into Grafana (GRAFANA_URL
 monitor: setup ## Install and start a local Prometheus scraping Ray's metrics
 	$(PY) -m services.dashboards monitor $(ARGS)
 
-images: setup ## Build every service image through the Docker SDK
-	$(PY) docker/build.py $(ARGS)
+base-image: ## Build the local base image (Debian bookworm + Python 3.11) from Debian's packages; skipped when present
+	bash docker/base-image.sh
 
-up: ## Start the local compose stack
-	docker compose -f docker/compose.yaml up -d
+images: setup ## Build every CPU image through the Docker SDK, print their sizes (BASE_IMAGE=... picks the base)
+	$(PY) docker/build.py $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(ARGS)
 
-down: ## Stop the local compose stack
-	docker compose -f docker/compose.yaml down
+up: setup ## Start the local stack (S3, Ray head, Prometheus, trainer, evaluator, exporter, server) from docker/compose.yaml
+	$(PY) docker/stack.py up $(ARGS)
+
+down: setup ## Stop the local stack (ARGS=--volumes also removes its shared volume)
+	$(PY) docker/stack.py down $(ARGS)
 
 bench: setup ## Run every benchmark in bench/, print one table, write bench/results.md
 	$(PY) -m bench $(ARGS)
@@ -118,4 +121,4 @@ clean: ## Remove caches and build outputs (keeps .venv and .shared)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
 
-.PHONY: help setup skyrl-env system-deps lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor images up down bench clean
+.PHONY: help setup skyrl-env system-deps lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor base-image images up down bench clean

@@ -1,12 +1,17 @@
-"""Builds every service image through the Docker SDK for Python (what `make images` runs).
+"""Builds every service image through the Docker SDK for Python (what `make images` and CI's workflow run).
 
-Each image is tagged with the project version and the git commit, and carries OCI labels.
-    python docker/build.py [--only evaluator,exporter] [--registry REG/] [--gpu]
+    python docker/build.py [--only evaluator,exporter] [--base-image IMAGE] [--registry REG/] [--push] [--gpu]
+
+The base image is a build argument: the official Python image by default, or the one `make base-image` builds
+from Debian's packages (used on its own when the official one cannot be pulled). Each image is tagged with the
+project version, the git commit and `latest`, carries OCI labels, and its size is printed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +19,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
 # image name -> (Dockerfile, target); GPU images build only with --gpu (they pull multi-GB CUDA bases).
 IMAGES = {
     "trainer-cpu": ("docker/Dockerfile", "trainer-cpu"),
@@ -21,10 +27,17 @@ IMAGES = {
     "exporter": ("docker/Dockerfile", "exporter"),
     "server-cpu": ("docker/Dockerfile", "server-cpu"),
     "dashboards": ("docker/Dockerfile", "dashboards"),
+    "prometheus": ("docker/Dockerfile", "prometheus"),
     "trainer": ("docker/Dockerfile.gpu", "trainer"),
     "server": ("docker/Dockerfile.gpu", "server"),
 }
 GPU_IMAGES = {"trainer", "server"}
+LOCAL_BASE = "maze-grpo/base:bookworm"  # what docker/base-image.sh (make base-image) builds
+HOST_CA_CERTS = Path("/usr/local/share/ca-certificates")  # Debian's place for locally added CAs
+
+
+class BuildError(RuntimeError):
+    """A build step failed; the message is one line saying what to do."""
 
 
 def version() -> str:
@@ -39,15 +52,160 @@ def commit() -> str:
         return "unknown"
 
 
-def labels(name: str, rev: str) -> dict:
+def dockerfile_arg(name: str) -> str:
+    """Returns the default of `ARG name=...` in docker/Dockerfile (the one place each pin lives)."""
+    match = re.search(rf'^ARG {name}="?([^"\n]+)"?$', DOCKERFILE.read_text(), re.MULTILINE)
+    if not match:
+        raise BuildError(f"docker/Dockerfile has no `ARG {name}=...` default")
+    return match.group(1)
+
+
+def labels(name: str, rev: str, base_image: str) -> dict:
     return {
         "org.opencontainers.image.title": f"maze-grpo-{name}",
         "org.opencontainers.image.version": version(),
         "org.opencontainers.image.revision": rev,
         "org.opencontainers.image.created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "org.opencontainers.image.source": "maze-grpo",
+        "org.opencontainers.image.source": "https://github.com/maze-grpo/maze-grpo",
         "org.opencontainers.image.description": f"maze-grpo {name} service",
+        "org.opencontainers.image.base.name": base_image,
     }
+
+
+def connect():
+    """Returns a Docker client whose engine answers, or raises BuildError saying how to get one."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=600)
+        client.ping()
+        return client
+    except ImportError as exc:
+        raise BuildError("the Docker SDK for Python is missing: pip install 'docker>=7' (make setup installs it)") from exc
+    except Exception as exc:
+        raise BuildError(f"no Docker engine reachable ({type(exc).__name__}): start Docker (or set DOCKER_HOST) and run "
+                         "`make images` again; `bash .ci/run` installs and starts one where it is root with apt") from exc
+
+
+def resolve_base(client, base_image: str, explicit: bool) -> str:
+    """Returns the base image to build on: the one asked for when present or pullable, else the local base."""
+    import docker
+
+    try:
+        client.images.get(base_image)
+        return base_image
+    except docker.errors.ImageNotFound:
+        pass
+    try:
+        print(f"pulling {base_image}", flush=True)
+        client.images.pull(base_image)
+        return base_image
+    except docker.errors.APIError as exc:
+        reason = str(exc.explanation or exc).splitlines()[0][:160]
+    if not explicit:
+        try:
+            client.images.get(LOCAL_BASE)
+            print(f"{base_image} cannot be pulled ({reason}); building on the local base {LOCAL_BASE}", flush=True)
+            return LOCAL_BASE
+        except docker.errors.ImageNotFound:
+            pass
+    hint = ("run `make base-image` (builds it from Debian's packages)" if base_image == LOCAL_BASE else
+            f"run `make base-image` to build {LOCAL_BASE} from Debian's packages, then `make images` again")
+    raise BuildError(f"base image {base_image} is not here and cannot be pulled ({reason}): {hint}")
+
+
+def fill_wheelhouse(torch_pins: list[str]) -> None:
+    """Copies the pinned torch wheels into docker/wheels/ when this host's pip has them (a local index or cache)."""
+    wheels = ROOT / "docker" / "wheels"
+    wheels.mkdir(exist_ok=True)
+    names = [pin.split("==")[0] for pin in torch_pins]
+    if all(list(wheels.glob(f"{name}-*.whl")) for name in names):
+        return
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(wheels),
+                           *torch_pins], capture_output=True, text=True)
+    if proc.returncode != 0:
+        for stale in wheels.glob("*.whl"):
+            stale.unlink()
+        print(f"{' '.join(torch_pins)}: not in this host's pip sources; the images take them from the CPU index")
+
+
+def venv_mismatches() -> list[str]:
+    """Returns the pyproject.toml requirements this venv does not satisfy (empty when `make setup` made it)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + [r for extra, reqs in project["optional-dependencies"].items()
+                                        if extra != "gpu" for r in reqs]
+    problems = []
+    for line in wanted:
+        requirement = Requirement(line)
+        if requirement.name == project["name"]:
+            continue
+        try:
+            have = installed(requirement.name)
+        except PackageNotFoundError:
+            have = None
+        if have is None or not requirement.specifier.contains(have, prereleases=True):
+            problems.append(f"{requirement} (venv: {have or 'missing'})")
+    return problems
+
+
+def write_constraints() -> str:
+    """Writes docker/wheels/constraints.txt from this venv's versions, so the images get what the tests ran with.
+
+    Returns a line saying what was pinned; the file stays empty when the venv does not match pyproject.toml."""
+    target = ROOT / "docker" / "wheels" / "constraints.txt"
+    target.write_text("")
+    mismatches = venv_mismatches()
+    if mismatches:
+        return (f"no versions pinned: this venv does not match pyproject.toml ({mismatches[0]}; `make setup` "
+                "rebuilds it); pip resolves pyproject.toml's ranges in the images")
+    proc = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True)
+    # torch is the Dockerfile's own pin (a CPU build); pip's own tools stay as the base image has them.
+    skip = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-[\w-]+|pip|setuptools|wheel)==", re.IGNORECASE)
+    pins = [line for line in proc.stdout.splitlines() if "==" in line and not skip.match(line)]
+    target.write_text("".join(f"{pin}\n" for pin in pins))
+    return f"pinned {len(pins)} packages to this venv's versions (docker/wheels/constraints.txt)"
+
+
+def copy_ca_certs(source: Path | None) -> int:
+    """Copies extra CA certificates (*.crt) into the build context; returns how many the images will trust."""
+    target = ROOT / "docker" / "ca-certificates"
+    target.mkdir(exist_ok=True)
+    for old in target.glob("*.crt"):
+        old.unlink()
+    found = sorted(source.glob("*.crt")) if source and source.is_dir() else []
+    for cert in found:
+        shutil.copyfile(cert, target / cert.name)
+    return len(found)
+
+
+def build_one(client, name: str, repo: str, build_args: dict, rev: str) -> tuple:
+    """Builds one image, streaming its log; returns the image. Raises BuildError with the failing step."""
+    dockerfile, target = IMAGES[name]
+    tail: list[str] = []
+    image_id = None
+    stream = client.api.build(path=str(ROOT), dockerfile=dockerfile, target=target, tag=f"{repo}:{version()}",
+                              buildargs=build_args, labels=labels(name, rev, build_args.get("BASE_IMAGE", "")),
+                              rm=True, forcerm=True, decode=True)
+    for chunk in stream:
+        if "stream" in chunk:
+            sys.stdout.write(chunk["stream"])
+            tail = (tail + chunk["stream"].splitlines())[-15:]
+        if "aux" in chunk and "ID" in chunk["aux"]:
+            image_id = chunk["aux"]["ID"]
+        if "error" in chunk:
+            raise BuildError(f"{name}: the build failed: {chunk['error'].strip()[:300]} (log above)")
+    sys.stdout.flush()
+    if not image_id:
+        raise BuildError(f"{name}: the engine returned no image ({' '.join(tail)[-200:]})")
+    image = client.images.get(image_id)
+    for tag in (rev, "latest"):
+        image.tag(repo, tag)
+    return image
 
 
 def main(argv=None) -> None:
@@ -55,33 +213,49 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated image names (default: all CPU images)")
     parser.add_argument("--gpu", action="store_true", help="also build the GPU images (trainer, server)")
+    parser.add_argument("--base-image", default="", help="base of the CPU images (default: the official python image "
+                        f"from docker/Dockerfile, or {LOCAL_BASE} when that cannot be pulled)")
+    parser.add_argument("--ca-certs", default=str(HOST_CA_CERTS), help="folder of extra CA certificates (*.crt) the "
+                        "images trust, e.g. a proxy's (default: this host's locally added ones; '' for none)")
     parser.add_argument("--registry", default="", help="prefix for the image names, e.g. 123.dkr.ecr.us-west-2.amazonaws.com/")
+    parser.add_argument("--push", action="store_true", help="push every tag after building (needs --registry)")
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or [n for n in IMAGES if args.gpu or n not in GPU_IMAGES]
     unknown = [n for n in names if n not in IMAGES]
     if unknown:
-        sys.exit(f"unknown image {unknown[0]!r}: choose from {', '.join(IMAGES)}")
+        sys.exit(f"error: unknown image {unknown[0]!r}: choose from {', '.join(IMAGES)}")
+    if args.push and not args.registry:
+        sys.exit("error: --push needs --registry (e.g. --registry 123.dkr.ecr.us-west-2.amazonaws.com/)")
     try:
-        import docker
-
-        client = docker.from_env()
-        client.ping()
-    except Exception as exc:
-        sys.exit(f"no Docker engine reachable ({type(exc).__name__}: {exc}). Start Docker (or set DOCKER_HOST) "
-                 "and run `make images` again; CI builds the images with .github/workflows/images.yml.")
-    rev = commit()
-    for name in names:
-        dockerfile, target = IMAGES[name]
-        repo = f"{args.registry}maze-grpo/{name}"
-        print(f"building {repo}:{version()} ({dockerfile}, target {target})", flush=True)
-        image, logs = client.images.build(path=str(ROOT), dockerfile=dockerfile, target=target,
-                                          tag=f"{repo}:{version()}", labels=labels(name, rev), rm=True)
-        for chunk in logs:
-            if "stream" in chunk:
-                sys.stdout.write(chunk["stream"])
-        for tag in (rev, "latest"):
-            image.tag(repo, tag)
-        print(f"built {repo}:{version()} {repo}:{rev} {repo}:latest")
+        client = connect()
+        cpu = [n for n in names if n not in GPU_IMAGES]
+        build_args = {}
+        if cpu:
+            build_args["BASE_IMAGE"] = resolve_base(client, args.base_image or dockerfile_arg("BASE_IMAGE"),
+                                                    explicit=bool(args.base_image))
+            fill_wheelhouse(dockerfile_arg("TORCH").split())
+            print(write_constraints())
+            trusted = copy_ca_certs(Path(args.ca_certs) if args.ca_certs else None)
+            if trusted:
+                print(f"the images trust {trusted} extra CA certificate(s) from {args.ca_certs}")
+        rev = commit()
+        built = []
+        for name in names:
+            repo = f"{args.registry}maze-grpo/{name}"
+            print(f"==> {repo}:{version()} ({IMAGES[name][0]}, target {IMAGES[name][1]})", flush=True)
+            started = time.time()
+            image = build_one(client, name, repo, build_args if name in cpu else {}, rev)
+            built.append((repo, image, time.time() - started))
+            if args.push:
+                for tag in (version(), rev, "latest"):
+                    for line in client.api.push(repo, tag=tag, stream=True, decode=True):
+                        if "error" in line:
+                            raise BuildError(f"push of {repo}:{tag} failed: {line['error']}: log in to the registry first")
+    except BuildError as exc:
+        sys.exit(f"error: {exc}")
+    print(f"\n{'image':<44} {'tags':<28} {'size':>9} {'build':>7}")
+    for repo, image, seconds in built:
+        print(f"{repo:<44} {version() + ', ' + rev + ', latest':<28} {image.attrs['Size'] / 1e6:>6.0f} MB {seconds:>6.0f}s")
 
 
 if __name__ == "__main__":

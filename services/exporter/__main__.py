@@ -16,16 +16,20 @@ import sys
 import time
 
 from shared.config import CommandLineParser, ConfigError, RunConfig, load_config
-from shared.storage import check_adapter_id
+from shared.storage import check_adapter_id, split_s3_uri
 
 COMMANDS = ("export", "list", "s3-up", "s3-down")
 
 
 def resolve_s3(cfg: RunConfig, log=print) -> RunConfig:
     """Returns cfg with an S3 endpoint: S3_URI as configured, or a local one on loopback (started when needed)."""
-    if cfg.storage.s3_uri:
-        return cfg
     from services.exporter import local_s3
+
+    if cfg.storage.s3_uri:
+        if cfg.storage.aws_endpoint_url:
+            # An S3-compatible server of one's own (the compose stack's starts empty): make sure the bucket exists.
+            local_s3.ensure_bucket(cfg.storage.aws_endpoint_url, split_s3_uri(cfg.storage.s3_uri)[0])
+        return cfg
 
     if cfg.storage.aws_endpoint_url:
         update = {"s3_uri": f"s3://{local_s3.DEFAULT_BUCKET}/local"}
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         sys.exit(str(exc))
 
+    from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import BotoCoreError, ClientError
 
     from services.exporter import local_s3
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                     sys.exit(f"run {run_id} has no complete, valid export under {exporter.volume.exports(run_id)}")
                 return
             time.sleep(args.poll)
-    except (BotoCoreError, ClientError) as exc:
+    except (BotoCoreError, ClientError, S3UploadFailedError) as exc:
         sys.exit(f"error: S3 at {cfg.storage.aws_endpoint_url or 'AWS'} ({cfg.storage.s3_uri}) failed after retries: {exc}")
     except ValueError as exc:
         sys.exit(f"error: {exc}")
