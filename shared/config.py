@@ -95,6 +95,8 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(24, ge=1)
     num_workers: int = Field(1, ge=1, description="Ray rollout actors")
     batched: bool = Field(True, description="generate for all live episodes of a worker at once")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="vllm: vLLM from .venv-vllm (make vllm-env) in a Ray actor, LoRA re-read from lora_sync/ each step")
 
 
 class ScheduleConfig(Section):
