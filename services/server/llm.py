@@ -6,6 +6,7 @@ reads, so clients ask for `model="<base_id>:<adapter_id>"` with no conversion st
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from shared.config import RunConfig
@@ -153,22 +154,23 @@ class EngineStartError(RuntimeError):
 GENERIC_FAILURES = ("See root cause above", "Failed to update the deployments", "Engine core initialization failed")
 
 
-def engine_start_cause(report: str) -> str:
-    """Returns why the engine did not start, on one line: the last `SomethingError: message` in the report
-    (Ray's status plus the engine's own log lines) that is not just "it failed"."""
-    import re
+def cause_line(report: str, limit: int = 500) -> str:
+    """Returns the line of an error report that says why: its last `SomethingError: message` that is not
+    just "it failed" (else its last line), without pointers to logs the user does not have."""
+    causes = [c.strip() for c in re.findall(r"\b(\w*(?:Error|Exception): [^\n]+)", report)
+              if not any(g in c for g in GENERIC_FAILURES)]
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    line = (causes or lines or ["no reason given (see Ray's logs)"])[-1]
+    line = re.sub(r" See https://\S+.*$", "", line).replace(", please check the stack trace above for the root cause", "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
-    causes = [match.group(1).strip() for match in re.finditer(r"\b(\w*(?:Error|Exception): [^\n]+)", report)]
-    causes = [c for c in causes if not any(g in c for g in GENERIC_FAILURES)]
-    if causes:
-        line = causes[-1]
-    else:
-        lines = [line.strip() for line in report.splitlines() if line.strip()]
-        line = lines[-1] if lines else "no reason given (see Ray's logs)"
-    line = re.sub(r" See https://\S+.*$", "", line)
+
+def engine_start_cause(report: str) -> str:
+    """Returns why the engine did not start, on one line, from Ray's status and the engine's own log lines."""
+    line = cause_line(report)
     if "KV cache" in line:
         line += " (here: raise server.kv_cache_bytes or lower server.max_model_len)"
-    return "the vLLM engine did not start: " + (line if len(line) < 600 else line[:597] + "...")
+    return "the vLLM engine did not start: " + line
 
 
 def engine_log_errors(max_lines: int = 200) -> str:

@@ -20,7 +20,6 @@ import asyncio
 import base64
 import functools
 import os
-import re
 from typing import Any
 
 from fastapi import Request
@@ -34,6 +33,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 )
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
+from services.server.llm import cause_line
 from shared.adapters import AdapterNotFound, AdapterStore
 from shared.storage import check_adapter_id
 
@@ -48,18 +48,6 @@ class Rejected(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(status_code=self.status_code,
                             content={"error": {"message": self.message, "type": self.kind, "code": self.status_code}})
-
-
-_reject = Rejected
-
-
-def one_line(message: str, limit: int = 400) -> str:
-    """Returns the line of an engine error that names its cause (the last non-empty one), at most `limit` chars."""
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-    causes = [line for line in lines if re.search(r"(Error|Exception)\b.*:", line)]
-    line = (causes or lines or ["unknown engine error"])[-1]
-    line = line.replace(", please check the stack trace above for the root cause", "")  # the user has none
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _authorized(method):
@@ -90,7 +78,7 @@ class MazeIngress(OpenAiIngress):
 
     def authorize(self, request: Request) -> None:
         if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-            raise _reject(401, "missing or wrong bearer token (Authorization: Bearer $SERVER_API_KEY)",
+            raise Rejected(401, "missing or wrong bearer token (Authorization: Bearer $SERVER_API_KEY)",
                           "authentication_error")
 
     async def resolve_model(self, model: str | None) -> str:
@@ -98,21 +86,21 @@ class MazeIngress(OpenAiIngress):
         model = model or self.base_id
         base, has_adapter, adapter_id = model.partition(":")
         if base != self.base_id:
-            raise _reject(404, f"model {model!r} not found: this server serves {self.base_id!r} and "
+            raise Rejected(404, f"model {model!r} not found: this server serves {self.base_id!r} and "
                                f"'{self.base_id}:<adapter_id>'", "not_found_error")
         if not has_adapter:
             return model
         try:
             check_adapter_id(adapter_id)
         except ValueError as exc:
-            raise _reject(400, str(exc)) from None
+            raise Rejected(400, str(exc)) from None
         if self.store is None:
-            raise _reject(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
+            raise Rejected(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
                           "not_found_error")
         manifest = await self._manifest(adapter_id)
         rank, max_rank = manifest.get("rank"), self.limits.get("max_lora_rank")
         if rank is not None and max_rank is not None and int(rank) > max_rank:
-            raise _reject(400, f"adapter {adapter_id!r} has LoRA rank {rank}, above this server's max_lora_rank "
+            raise Rejected(400, f"adapter {adapter_id!r} has LoRA rank {rank}, above this server's max_lora_rank "
                                f"{max_rank}: re-export it with a smaller rank or raise server.max_lora_rank")
         target = manifest.get("alias_of")
         if target and target != adapter_id:
@@ -127,7 +115,7 @@ class MazeIngress(OpenAiIngress):
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self.store.manifest, adapter_id)
         except AdapterNotFound as exc:
-            raise _reject(404, str(exc), "not_found_error") from None
+            raise Rejected(404, str(exc), "not_found_error") from None
 
     def check_messages(self, messages: list) -> None:
         """Raises 400 on too many images or an image that is not a small enough inline data URI."""
@@ -142,14 +130,14 @@ class MazeIngress(OpenAiIngress):
                     continue
                 images += 1
                 if max_images is not None and images > max_images:
-                    raise _reject(400, f"too many images: at most {max_images} per request")
+                    raise Rejected(400, f"too many images: at most {max_images} per request")
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
-                    raise _reject(400, f"image {images}: not a data URI (send data:image/png;base64,...)")
+                    raise Rejected(400, f"image {images}: not a data URI (send data:image/png;base64,...)")
                 size = len(base64.b64decode(url.split(",", 1)[1], validate=False))
                 if max_bytes is not None and size > max_bytes:
-                    raise _reject(400, f"image {images}: {size} bytes is over the limit of {max_bytes}")
+                    raise Rejected(400, f"image {images}: {size} bytes is over the limit of {max_bytes}")
 
     def cap_tokens(self, body) -> None:
         """Caps the reply length at server.max_new_tokens (vLLM reads max_completion_tokens first)."""
@@ -172,9 +160,9 @@ class MazeIngress(OpenAiIngress):
             try:
                 return await route(body, request)
             except OpenAIHTTPException as exc:  # Ray's own refusals (a prompt too long, a bad parameter)
-                raise Rejected(exc.status_code, f"{_what(asked)}: {one_line(exc.message)}", exc.type) from None
+                raise Rejected(exc.status_code, f"{_what(asked)}: {cause_line(exc.message)}", exc.type) from None
             except Exception as exc:  # the engine failed this request (e.g. an adapter it cannot load)
-                raise Rejected(500, f"{_what(asked)}: {one_line(str(exc))}", "server_error") from None
+                raise Rejected(500, f"{_what(asked)}: {cause_line(str(exc))}", "server_error") from None
         except Rejected as exc:
             return exc.response()
 
