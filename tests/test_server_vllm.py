@@ -23,7 +23,7 @@ KEY = "test-key-vllm"
 BASE = "tiny-qwen3vl-sft"
 BUCKET = "vllm-served"
 
-pytestmark = pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm: build it with `make vllm-env`")
+needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm: build it with `make vllm-env`")
 
 
 def _port():
@@ -130,6 +130,7 @@ def _first_logprob(url, model):
     return response.json()["choices"][0]["logprobs"]["content"][0]["logprob"]
 
 
+@needs_vllm
 def test_models_auth_and_an_image_chat(vllm_server):
     url, _, run_id = vllm_server
     assert httpx.get(f"{url}/v1/models").status_code == 401
@@ -146,6 +147,7 @@ def test_models_auth_and_an_image_chat(vllm_server):
     assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] <= 64
 
 
+@needs_vllm
 def test_adapters_come_from_s3_and_a_repointed_alias_serves_its_new_weights(vllm_server):
     url, env, run_id = vllm_server
     step2, step4 = _first_logprob(url, f"{BASE}:{run_id}-step2"), _first_logprob(url, f"{BASE}:{run_id}-step4")
@@ -156,6 +158,7 @@ def test_adapters_come_from_s3_and_a_repointed_alias_serves_its_new_weights(vllm
     assert _first_logprob(url, f"{BASE}:maze-grpo") == pytest.approx(step4, abs=1e-6)
 
 
+@needs_vllm
 def test_bad_input_and_engine_failures_get_one_line_and_the_server_stays_up(vllm_server):
     url, _, run_id = vllm_server
     http_image = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]
@@ -176,6 +179,7 @@ def test_bad_input_and_engine_failures_get_one_line_and_the_server_stays_up(vllm
         assert _chat(url, model, _maze_content()).status_code == 200, f"{model} after the failures"
 
 
+@needs_vllm
 def test_evaluator_against_vllm_scores_the_64_mazes_as_in_process_greedy(vllm_server, tiny_model_dir, tmp_path):
     url, env, run_id = vllm_server
     adapter = f"{run_id}-step4"
@@ -200,6 +204,7 @@ def test_evaluator_against_vllm_scores_the_64_mazes_as_in_process_greedy(vllm_se
     assert summaries[0]["solved"] == summaries[1]["solved"]
 
 
+@needs_vllm
 @pytest.mark.parametrize("failure", ["model it cannot load", "KV cache that does not fit"])
 def test_an_engine_that_cannot_start_says_why_in_one_line(failure, tiny_model_dir, s3_endpoint, shared_dir, tmp_path):
     from shared.storage import s3_client
@@ -220,3 +225,27 @@ def test_an_engine_that_cannot_start_says_why_in_one_line(failure, tiny_model_di
     assert url is None and proc.returncode != 0
     last = (tmp_path / "server.log").read_text().strip().splitlines()[-1]
     assert last.startswith("error: the vLLM engine did not start: ") and cause.lower() in last.lower(), last
+
+
+def test_gpu_and_cpu_differ_only_in_accelerator_settings(tmp_path):
+    """`--dry-run` (the main venv, no vLLM needed) prints the Serve config after Ray's own schemas accepted it."""
+    import yaml
+
+    def dry_run(*overrides):
+        env = {**os.environ, "S3_URI": "s3://bucket/prefix", "SHARED_DIR": str(tmp_path)}
+        return subprocess.run([sys.executable, "-m", "services.server", "--engine", "vllm", "--dry-run", *overrides],
+                              env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    configs = {}
+    for accelerator, extra in (("cpu", []), ("gpu", ["server.accelerator_type=L40S"])):
+        proc = dry_run(f"server.accelerator={accelerator}", *extra)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        app = yaml.safe_load(proc.stdout)["applications"][0]
+        assert app["args"]["ingress_cls_config"]["ingress_cls"] == "services.server.llm_ingress:MazeIngress"
+        configs[accelerator] = app["args"]["llm_configs"][0]
+    cpu, gpu = configs["cpu"], configs["gpu"]
+    assert cpu.pop("accelerator_config") == {"kind": "cpu"} and gpu.pop("accelerator_type") == "L40S"
+    assert cpu == gpu, "only the accelerator settings may differ"
+    assert cpu["lora_config"]["dynamic_lora_loading_path"] == "s3://bucket/prefix/adapters"
+    no_kv = dry_run("server.accelerator=cpu", "server.kv_cache_bytes=null")
+    assert no_kv.returncode != 0 and no_kv.stderr.strip().splitlines()[-1].startswith("error: server.accelerator=cpu needs")
