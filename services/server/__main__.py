@@ -1,11 +1,13 @@
 """python -m services.server: serve the base model and its LoRA adapters (from S3), OpenAI-compatible.
 
-    make serve                                   # CPU: Ray Serve + transformers + peft (the tiny model)
-    python -m services.server --gpu --config configs/qwen3vl-8b-hyperpod.yaml   # Ray Serve LLM (vLLM)
-    python -m services.server --gpu --dry-run --config ...                     # print the validated GPU config
+    make serve                                   # Ray Serve + transformers + peft (the main venv)
+    make serve-vllm                              # Ray Serve LLM (vLLM) on CPU, from .venv-vllm
+    python -m services.server --engine vllm --config configs/qwen3vl-8b-hyperpod.yaml   # the same app on GPUs
+    python -m services.server --engine vllm --dry-run --config ...                     # print the validated config
 
-Routes: GET /v1/models, POST /v1/chat/completions (model = <base> or <base>:<adapter_id>), GET /healthz.
-Without SERVER_API_KEY the server binds to 127.0.0.1 only; with it, requests need `Authorization: Bearer`.
+Routes: GET /v1/models, POST /v1/chat/completions (model = <base> or <base>:<adapter_id>); the transformers
+server also has GET /healthz. Without SERVER_API_KEY the server binds to 127.0.0.1 only; with it, requests
+need `Authorization: Bearer`.
 """
 
 from __future__ import annotations
@@ -24,32 +26,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser)
-    parser.add_argument("--gpu", action="store_true", help="Ray Serve LLM (vLLM) instead of the CPU deployment")
+    parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                        help="vllm: Ray Serve LLM (server.accelerator picks gpu or cpu); transformers: the peft deployment")
+    parser.add_argument("--gpu", action="store_true", help="same as --engine vllm (kept for old scripts)")
     parser.add_argument("--dry-run", action="store_true", help="print the (validated) config and exit")
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 needs SERVER_API_KEY)")
     parser.add_argument("--port", type=int, default=None)
     args = parser.parse_args(argv)
     cfg = config_from_args(args, [f"server.port={args.port}"] if args.port else [])
 
-    if args.gpu:
-        from services.server.llm import run, serve_config, validate
-
-        try:
-            config = serve_config(cfg)
-            validate(config)
-        except ValueError as exc:
-            sys.exit(f"error: {exc}")
-        if args.dry_run:
-            print(yaml.safe_dump(config, sort_keys=False))
-            return
-        run(cfg)
-        return
-
     api_key = os.environ.get("SERVER_API_KEY") or None
     host = args.host or cfg.server.host
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: no SERVER_API_KEY set, so binding to 127.0.0.1 instead of {host}", file=sys.stderr)
         host = "127.0.0.1"
+
+    if args.gpu or args.engine == "vllm":
+        serve_vllm(cfg, host, api_key, args.dry_run)
+        return
+
     if argv is None and not args.dry_run:  # run as a command: Ray's servers on loopback (re-runs this command once)
         from shared.local_ray import enter_loopback
 
@@ -70,6 +65,35 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: no model at {model_dir}; build it with `make sft` (or set model.path)")
     url = start_cpu_server(cfg, str(model_dir), host, api_key)
     print(f"serving {cfg.model.base_model_id} (+ adapters from {cfg.storage.s3_uri}/adapters) on {url}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def serve_vllm(cfg, host: str, api_key: str | None, dry_run: bool) -> None:
+    """Validates and (unless dry_run) runs the Ray Serve LLM app until interrupted."""
+    from services.server.llm import EngineStartError, run, serve_config, validate
+    from shared.storage import SharedVolume
+
+    try:
+        config = serve_config(cfg)
+        validate(config)
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+    if dry_run:
+        print(yaml.safe_dump(config, sort_keys=False))
+        return
+    model_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
+    if not (model_dir / "config.json").exists():
+        sys.exit(f"error: no model at {model_dir}; build it with `make sft` (or set model.path)")
+    try:
+        url = run(cfg, host, api_key)
+    except EngineStartError as exc:
+        sys.exit(f"error: {exc}")
+    print(f"serving {cfg.model.base_model_id} (+ adapters from {cfg.storage.s3_uri}/adapters) with vLLM "
+          f"({cfg.server.accelerator}) on {url}", flush=True)
     try:
         while True:
             time.sleep(3600)

@@ -57,14 +57,23 @@ class RolloutWorker:
 
         torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
         self.cfg = RunConfig.model_validate(cfg_dict)
-        model, processor = build_policy(base_dir, self.cfg.lora, self.cfg.model.base_model_id, self.cfg.model.dtype)
-        self.engine = LocalEngine.for_model(self.cfg, model, processor, name=self.cfg.model.base_model_id)
+        if self.cfg.rollout.engine == "vllm":
+            from shared.models.vllm_engine import VllmEngine
+
+            # The vLLM actor reserves no CPU: it works on this worker's behalf, while this worker waits.
+            self.engine = VllmEngine(self.cfg, base_dir, name=self.cfg.model.base_model_id, num_cpus=0)
+        else:
+            model, processor = build_policy(base_dir, self.cfg.lora, self.cfg.model.base_model_id, self.cfg.model.dtype)
+            self.engine = LocalEngine.for_model(self.cfg, model, processor, name=self.cfg.model.base_model_id)
         self.adapter_step = -1
 
     def sync(self, adapter_dir: str, step: int) -> int:
         """Loads the adapter written for `step` (no-op if already loaded); returns the loaded step."""
         if step != self.adapter_step:
-            load_adapter_weights(self.engine.model, adapter_dir)
+            if self.cfg.rollout.engine == "vllm":
+                self.engine.load_adapter(adapter_dir, step)  # vLLM re-reads lora_sync/ under a new id
+            else:
+                load_adapter_weights(self.engine.model, adapter_dir)
             self.adapter_step = step
         return self.adapter_step
 

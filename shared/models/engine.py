@@ -161,6 +161,10 @@ class LocalEngine:
                 if token in self.stop_ids:
                     break
             text = self.processor.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
+            # A reply cut off by max_new_tokens inside a multi-byte character ends in undecodable bytes (U+FFFD);
+            # drop them as vLLM's detokenizer does, so every engine hands the parser and the next turn's
+            # context the same text.
+            text = text.rstrip("\ufffd")
             completions.append(Completion(text=text, token_ids=ids, logprobs=row_logprobs[: len(ids)]))
         return completions
 

