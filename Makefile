@@ -63,7 +63,7 @@ lint: setup ## Ruff over the code
 
 test: setup skyrl-env vllm-env system-deps ## Lint, then the test suite, then SkyRL's code against ours (installs what it needs first)
 	$(PY) -m ruff check shared services tests bench docker
-	$(PY) -m pytest $(ARGS)
+	bash docker/with-engine.sh $(PY) -m pytest $(ARGS)
 	$(SKYRL_PY) -m pytest tests/skyrl $(ARGS)
 
 tiny-model: setup ## Build the tiny Qwen3-VL into $SHARED_DIR/models/tiny-qwen3vl
