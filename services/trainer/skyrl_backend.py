@@ -29,7 +29,7 @@ from pathlib import Path
 from shared.config import REPO_ROOT, RunConfig
 from shared.evaluation import SKYRL_SOLVE_RATE_METRIC
 from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
-from shared.maze.skyrl_env import ENV_CLASS
+from shared.maze.skyrl_env import ENV_CLASS, register_env
 from shared.storage import SharedVolume, atomic_write_text
 
 
@@ -242,24 +242,27 @@ def dry_run(cfg: RunConfig, config_path: str | None = None) -> list[str]:
     return lines
 
 
-def _import_skyrl_run_path():
+def _set_up(cfg: RunConfig):
+    """Does what a skyrl run does before its GPU work: SkyRL's config, our env registered, SkyRL's Ray set-up.
+
+    Returns (ray, SkyRL's config). SkyRL's `initialize_ray` builds the runtime env its workers get and joins the
+    cluster (RAY_ADDRESS) with it.
+    """
     try:
         import ray
         from skyrl.train.utils.utils import initialize_ray
     except ImportError as exc:
         sys.exit(f"the skyrl backend needs {SKYRL_PIN} on Python >= 3.12 with GPUs ({exc}); use the trainer GPU image "
                  "(docker/Dockerfile.gpu) or backend=local")
-    return ray, initialize_ray
+    skyrl_cfg = skyrl_config(cfg)
+    register_env()
+    initialize_ray(skyrl_cfg)
+    return ray, skyrl_cfg
 
 
 def preflight(cfg: RunConfig) -> dict:
     """Runs a skyrl run's set-up up to the GPU work (SkyRL config, Ray runtime env, env in a worker); returns what it saw."""
-    ray, initialize_ray = _import_skyrl_run_path()
-    from shared.maze.skyrl_env import register_env
-
-    skyrl_cfg = skyrl_config(cfg)
-    register_env()
-    initialize_ray(skyrl_cfg)
+    ray, skyrl_cfg = _set_up(cfg)
 
     @ray.remote(num_cpus=1)
     def make_env_in_worker(row: dict) -> dict:
@@ -284,14 +287,8 @@ def preflight(cfg: RunConfig) -> dict:
 
 def run(cfg: RunConfig) -> None:
     """Runs SkyRL's BasePPOExp inside a Ray task (needs GPUs, Python >= 3.12 and `skyrl[fsdp]`)."""
-    ray, initialize_ray = _import_skyrl_run_path()
+    ray, skyrl_cfg = _set_up(cfg)
     from skyrl.train.entrypoints.main_base import BasePPOExp
-
-    from shared.maze.skyrl_env import register_env
-
-    skyrl_cfg = skyrl_config(cfg)
-    register_env()
-    initialize_ray(skyrl_cfg)
 
     # SkyRL's trainer loop is a 1-CPU task: on HyperPod it lands on a GPU worker (the head advertises no CPUs).
     @ray.remote(num_cpus=1)
