@@ -49,7 +49,7 @@ $(SKYRL_STAMP): pyproject.toml
 	@rm -f $(SKYRL_VENV)/.installed-*
 	@touch $@
 
-skyrl-env: $(SKYRL_STAMP) ## Create .venv-skyrl (Python 3.12): SkyRL's own code on CPU, for tests/skyrl (idempotent)
+skyrl-env: $(SKYRL_STAMP) ## Create .venv-skyrl (Python 3.12): SkyRL's own code on CPU, for tests/skyrl_checks (idempotent)
 
 system-deps: ## Debian packages the tests drive for real (prometheus, chromium); skipped when present
 	@if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null; then \
@@ -64,7 +64,7 @@ lint: setup ## Ruff over the code
 test: setup skyrl-env vllm-env system-deps ## Lint, then the test suite, then SkyRL's code against ours (installs what it needs first)
 	$(PY) -m ruff check shared services tests bench docker
 	bash docker/with-engine.sh $(PY) -m pytest $(ARGS)
-	$(SKYRL_PY) -m pytest tests/skyrl $(ARGS)
+	$(SKYRL_PY) -m pytest tests/skyrl_checks $(ARGS)
 
 tiny-model: setup ## Build the tiny Qwen3-VL into $SHARED_DIR/models/tiny-qwen3vl
 	$(PY) -m shared.models.tiny --config $(CONFIG) $(ARGS)

@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny Qwen3-VL built once per test session on a temporary shared volume."""
 
-import importlib.util
+import importlib.metadata
 import ipaddress
 import os
 import signal
@@ -14,8 +14,12 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 REPO = Path(__file__).resolve().parent.parent
-# tests/skyrl runs SkyRL's own code: in .venv-skyrl (Python 3.12), as `make test`'s second pytest run.
-collect_ignore = [] if importlib.util.find_spec("skyrl") else ["skyrl"]
+# tests/skyrl_checks runs SkyRL's own code: in .venv-skyrl (Python 3.12), as `make test`'s second pytest run.
+try:
+    importlib.metadata.version("skyrl")
+    collect_ignore = []
+except importlib.metadata.PackageNotFoundError:
+    collect_ignore = ["skyrl_checks"]
 
 
 @pytest.fixture(scope="session")

@@ -90,7 +90,7 @@ def test_compare(evaluation, tmp_path):
 
 def test_watch_evaluates_each_export_once(exported_run, tiny_model_dir):
     volume, run_id = exported_run
-    # SkyRL's eval dump of step 4, in the form SkyRL writes it (tests/skyrl checks SkyRL's own writer against the reader).
+    # SkyRL's eval dump of step 4, in the form SkyRL writes it (tests/skyrl_checks checks SkyRL's own writer against the reader).
     dump = volume.run(run_id) / "exports" / "dumped_evals" / "global_step_4_evals" / "aggregated_results.jsonl"
     dump.parent.mkdir(parents=True, exist_ok=True)
     dump.write_text(json.dumps({"eval/all/pass_at_1": 1.0, "eval/all/environment/solved": 0.25}) + "\n")

@@ -1,6 +1,6 @@
 """The skyrl backend where SkyRL is not installed (the main venv): overrides, data files, messages.
 
-SkyRL's own code checks the same overrides in tests/skyrl (run in .venv-skyrl by `make test`).
+SkyRL's own code checks the same overrides in tests/skyrl_checks (run in .venv-skyrl by `make test`).
 """
 
 import json
