@@ -10,6 +10,8 @@ Skips (one line) where no Docker engine answers; `bash .ci/run` starts one where
 
 import json
 import os
+import random
+import re
 import socket
 import subprocess
 import sys
@@ -27,8 +29,19 @@ import stack  # noqa: E402  (docker/stack.py)
 import build  # noqa: E402  (docker/build.py)
 
 pytestmark = pytest.mark.timeout(3000)  # a first build on a fresh machine takes most of it
-PROJECT = "mgtest-e2e"
-PORTS = {"S3_PORT": "18101", "RAY_DASHBOARD_PORT": "18102", "PROMETHEUS_PORT": "18103", "SERVER_PORT": "18104"}
+# Per session, so two test runs on one engine (or one machine) never take each other's stack or ports.
+PROJECT = f"mgtest-e2e-{os.getpid()}"
+
+
+def _free_ports(count: int, first: int = 18100, last: int = 18199) -> list[str]:
+    free = [port for port in range(first, last + 1) if not stack.port_in_use("127.0.0.1", port)]
+    random.Random(os.getpid()).shuffle(free)
+    return [str(port) for port in free[:count]]
+
+
+_PORTS = _free_ports(7)
+PORTS = dict(zip(["S3_PORT", "RAY_DASHBOARD_PORT", "PROMETHEUS_PORT", "SERVER_PORT"], _PORTS[:4]))
+COMPOSE_PORT, BUSY_PORT, _ = _PORTS[4:]
 API_KEY = "mgtest-key"
 RUN_ID = "e2e"
 # A minimal run of the tiny profile: a short SFT warm start, 2 steps of 2 mazes x 2 samples, 4-turn episodes.
@@ -71,10 +84,32 @@ def environ():
     return {**os.environ, **PORTS, "SERVER_API_KEY": API_KEY, "COMPOSE_PROFILES": ""}
 
 
+def _remove_stale_projects(client) -> None:
+    """Takes down what interrupted earlier runs on this machine left (their test process is gone)."""
+    label = {"label": stack.PROJECT_LABEL}
+    found = [c.labels for c in client.containers.list(all=True, filters=label)]
+    found += [n.attrs["Labels"] or {} for n in client.networks.list(filters=label)]
+    found += [v.attrs["Labels"] or {} for v in client.volumes.list(filters=label)]
+    for project in {labels.get(stack.PROJECT_LABEL, "") for labels in found}:
+        match = re.fullmatch(r"mgtest-e2e-(\d+)(-.*)?", project)
+        if match and not _alive(int(match.group(1))):
+            stack.down(project, volumes=True, log=_say)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 @pytest.fixture(scope="module")
 def infra(images, environ):
     """S3, the Ray head and Prometheus up; everything of the project (volume included) removed afterwards."""
-    stack.down(PROJECT, volumes=True, log=_say)  # what an interrupted earlier run may have left
+    _remove_stale_projects(stack.connect())
     try:
         stack.up(["s3", "ray-head", "prometheus"], PROJECT, environ, log=_say)
         yield environ
@@ -213,13 +248,14 @@ def test_missing_base_image_names_make_base_image(client):
 
 
 def test_port_in_use_starts_nothing(images, client):
+    project = f"{PROJECT}-port"
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 18110))
+        taken.bind(("127.0.0.1", int(BUSY_PORT)))
         taken.listen()
-        proc = _stack_cli("up", "s3", "--project", "mgtest-port", env={"S3_PORT": "18110"})
-    assert proc.returncode != 0 and "port 127.0.0.1:18110 (service s3) is in use" in proc.stderr
+        proc = _stack_cli("up", "s3", "--project", project, env={"S3_PORT": BUSY_PORT})
+    assert proc.returncode != 0 and f"port 127.0.0.1:{BUSY_PORT} (service s3) is in use" in proc.stderr
     assert "S3_PORT" in proc.stderr and "Traceback" not in proc.stderr
-    assert stack.containers(client, "mgtest-port") == []
+    assert stack.containers(client, project) == []
 
 
 @pytest.mark.parametrize("tool", ["sdk", "compose"])
@@ -232,28 +268,30 @@ def test_failed_health_check_removes_what_it_started(images, client, tmp_path, t
         "  good:\n    image: maze-grpo/exporter:latest\n    entrypoint: [sleep, '300']\n"
         "  sick:\n    image: maze-grpo/exporter:latest\n    entrypoint: [sleep, '300']\n    depends_on: [good]\n"
         "    healthcheck: {test: [CMD, 'false'], interval: 1s, timeout: 2s, retries: 2}\n")
-    proc = _stack_cli("up", "--project", "mgtest-sick", "--file", str(compose), *(["--sdk"] if tool == "sdk" else []))
+    project = f"{PROJECT}-sick-{tool}"
+    proc = _stack_cli("up", "--project", project, "--file", str(compose), *(["--sdk"] if tool == "sdk" else []))
     try:
         assert proc.returncode != 0 and "service sick did not become healthy" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
-        assert stack.containers(client, "mgtest-sick") == []
-        assert client.networks.list(names=["mgtest-sick_default"]) == []
+        assert stack.containers(client, project) == []
+        assert client.networks.list(names=[f"{project}_default"]) == []
     finally:
-        stack.down("mgtest-sick", volumes=True, log=_say)
+        stack.down(project, volumes=True, log=_say)
 
 
 def test_up_takes_the_compose_tool_where_installed_and_down_removes_it(images, client):
     tool = stack.compose_tool()
     if tool is None:
         pytest.skip("neither docker-compose nor `docker compose` is installed: `make up` uses the SDK path")
-    proc = _stack_cli("up", "s3", "--project", "mgtest-compose", env={"S3_PORT": "18105"})
+    project = f"{PROJECT}-compose"
+    proc = _stack_cli("up", "s3", "--project", project, env={"S3_PORT": COMPOSE_PORT})
     try:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"with {' '.join(tool)}" in proc.stdout
-        (s3,) = stack.containers(client, "mgtest-compose")
+        (s3,) = stack.containers(client, project)
         assert stack.health(s3) == "healthy"
-        assert httpx.get("http://127.0.0.1:18105/", timeout=10).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{COMPOSE_PORT}/", timeout=10).status_code == 200
     finally:
-        down = _stack_cli("down", "--project", "mgtest-compose", "--volumes")
-    assert down.returncode == 0 and stack.containers(client, "mgtest-compose") == []
-    assert client.networks.list(names=["mgtest-compose_default"]) == []
+        down = _stack_cli("down", "--project", project, "--volumes")
+    assert down.returncode == 0 and stack.containers(client, project) == []
+    assert client.networks.list(names=[f"{project}_default"]) == []
