@@ -139,6 +139,21 @@ def watch(parent_pid: int, poll_s: float = 0.5, grace_s: float = 3.0) -> None:
             pass
 
 
+def stop_ray_started_in(temp_dir: str | Path) -> None:
+    """Kills the Ray processes of the `ray start --temp-dir=temp_dir` node(s) only: their command lines name it.
+
+    `ray stop` would end every Ray on the machine, another user's or another test run's included.
+    """
+    import psutil
+
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(temp_dir) in part for part in process.info["cmdline"] or []):
+                process.kill()
+        except psutil.Error:
+            pass
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["watch"] and len(sys.argv) == 3:
         watch(int(sys.argv[2]))

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from services.dashboards.provision import DATASOURCE_UID, FOLDER_UID, build_dashboards
+from shared.local_ray import stop_ray_started_in
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "glsa_test_token"
@@ -215,7 +216,7 @@ def test_dashboard_queries_run_against_real_prometheus_and_ray(tmp_path):
             print(f"{name}: {len(rows)} queries parse; panels with data ({len(with_data)}): {with_data}")
         assert any(has for _, has in results["Ray Core"]), "no Ray Core panel returned data"
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_ray_started_in(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
         pid_file = tmp_path / "prom" / "prometheus.pid"
         if pid_file.exists():

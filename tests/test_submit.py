@@ -15,6 +15,7 @@ import boto3
 
 from services.trainer.submit import check_cluster, describe_hyperpod
 from shared.config import load_config
+from shared.local_ray import stop_ray_started_in
 from shared.storage import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +53,7 @@ def test_submit_a_two_step_job_to_a_local_ray_head(tmp_path):
         assert (run / "evals" / "global_step_2" / "summary.json").exists()
         assert "held-out solve rate" in proc.stdout  # the job's own log, streamed
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_ray_started_in(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -9,15 +9,15 @@ set in both), then our env made inside a Ray worker. With HF_HUB_OFFLINE in the 
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import psutil
 import pytest
+
+from shared.local_ray import stop_ray_started_in
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_PY = REPO / ".venv" / "bin" / "python"
@@ -27,16 +27,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _stop_processes_of(temp_dir: Path) -> None:
-    """Ends this head's Ray processes only (their command lines name its temp dir); `ray stop` would end every Ray."""
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(str(temp_dir) in part for part in proc.info["cmdline"] or []):
-            try:
-                proc.send_signal(signal.SIGKILL)
-            except psutil.Error:
-                pass
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +48,7 @@ def ray_cluster():
                         "--num-gpus=2", "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
         yield f"http://127.0.0.1:{dashboard}"
     finally:
-        _stop_processes_of(temp_dir)
+        stop_ray_started_in(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
