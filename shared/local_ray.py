@@ -83,6 +83,18 @@ def enter_loopback(keep_port: int | None = None) -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+def loopback_env_for_vllm() -> dict[str, str]:
+    """Returns the env a vLLM engine started under the shim needs, so its own sockets meet on the same address.
+
+    The shim turns vLLM's wildcard binds (its ZMQ queues, gloo's store) into binds on Ray's node IP, so vLLM
+    must also connect there rather than to 127.0.0.1 or the host's IP. Empty when the shim is not active.
+    """
+    if os.environ.get(ACTIVE) != "1":
+        return {}
+    ip = os.environ.get("MAZE_LOOPBACK_IP", LOOPBACK_NODE_IP)
+    return {"VLLM_HOST_IP": ip, "VLLM_LOOPBACK_IP": ip}
+
+
 def init_local_ray(**kwargs) -> None:
     """Starts Ray in this process on the loopback node IP (when the shim is in place) and its watchdog."""
     import ray

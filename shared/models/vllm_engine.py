@@ -75,7 +75,10 @@ class VllmEngine:
         self.suppress_ids = [i for i in (tokenizer.convert_tokens_to_ids(t) for t in vision)
                              if i is not None and i != tokenizer.unk_token_id]
         server = cfg.server
-        actor = ray.remote(VllmGenerator).options(num_cpus=num_cpus, runtime_env={"py_executable": str(python)})
+        from shared.local_ray import loopback_env_for_vllm
+
+        runtime_env = {"py_executable": str(python), "env_vars": loopback_env_for_vllm()}
+        actor = ray.remote(VllmGenerator).options(num_cpus=num_cpus, runtime_env=runtime_env)
         self.actor = actor.remote(str(model_dir), cfg.model.dtype, max(cfg.lora.rank, server.max_lora_rank),
                                   server.kv_cache_bytes, server.max_model_len, max(1, self.max_images), cfg.seed)
 
