@@ -24,9 +24,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "docker"))
 
-import stack  # noqa: E402  (docker/stack.py)
-
 import build  # noqa: E402  (docker/build.py)
+import stack  # noqa: E402  (docker/stack.py)
 
 pytestmark = pytest.mark.timeout(3000)  # a first build on a fresh machine takes most of it
 # Per session, so two test runs on one engine (or one machine) never take each other's stack or ports.
