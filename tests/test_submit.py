@@ -39,6 +39,8 @@ def test_submit_a_two_step_job_to_a_local_ray_head(tmp_path):
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     subprocess.run([ray_cli, "start", "--head", "--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=2",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}",
+                    # its own agent port: the default (52365) may be held by another Ray on this machine
+                    f"--dashboard-agent-listen-port={_port()}",
                     "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=180)
     try:
         shared = tmp_path / "shared"

@@ -43,9 +43,9 @@ def ray_cluster():
     try:
         subprocess.run([ray_cli, "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=0",
                         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}",
-                        "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
+                        f"--dashboard-agent-listen-port={_port()}", "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
         subprocess.run([ray_cli, "start", f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-                        "--num-gpus=2", "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
+                        "--num-gpus=2", f"--dashboard-agent-listen-port={_port()}", "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
         yield f"http://127.0.0.1:{dashboard}"
     finally:
         stop_ray_started_in(temp_dir)
