@@ -131,11 +131,14 @@ def test_observations_are_our_pictures_of_each_position(skyrl_eval):
     cfg, _, engine, _ = skyrl_eval
     solver_seed = SEEDS[0]
     maze = generate(cfg.env.eval_env, solver_seed)
-    conversations = [c for c in engine.rendered if c[0]["content"] == engine.rendered[0][0]["content"]]
-    longest = max(conversations, key=len)  # the last render of that trajectory: prompt + every turn
+    start = render_rgb(maze, cfg.env.cell_px)
+    # That maze's renders (trajectories run concurrently, in no fixed order); the longest is its last: every turn.
+    conversations = [c for c in engine.rendered if np.array_equal(_picture(c[0]), start)]
+    assert conversations, "the solver's maze was never rendered"
+    longest = max(conversations, key=len)
     episode = MazeEpisode(maze, MAX_TURNS)
     users = [m for m in longest if m["role"] == "user"]
-    assert np.array_equal(_picture(users[0]), render_rgb(maze, cfg.env.cell_px))
+    assert np.array_equal(_picture(users[0]), start)
     for move, message in zip(solve(maze), users[1:], strict=False):
         episode.step(("move", move))
         assert np.array_equal(_picture(message), render_rgb(episode.view(), cfg.env.cell_px))
