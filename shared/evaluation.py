@@ -1,6 +1,6 @@
 """Held-out evaluation: play an eval set with an engine, write summary.json and episodes.jsonl.
 
-The summary schema (docs/design.md) is the same wherever an evaluation runs. SkyRL's in-loop evals are read
+The summary schema is the same wherever an evaluation runs. SkyRL's in-loop evals are read
 from its own dumps (`skyrl_solve_rates`).
 """
 

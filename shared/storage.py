@@ -1,4 +1,4 @@
-"""The shared-volume and S3 contract (../shared/DESIGN.md §4) as code.
+"""The shared-volume and S3 contract as code (the layout is in the README's Architecture section).
 
 Every writer writes to a temporary name and renames; a directory is complete only once its
 `manifest.json` (sha256 and size of every file) exists, and the manifest is written last.

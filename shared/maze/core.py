@@ -1,6 +1,6 @@
 """The maze_2d task: VisGym-identical generation, step semantics and an optimal solver.
 
-Generation reproduces VisGym's `maze_2d` seed for seed (see ../shared/DESIGN.md §3): numpy's
+Generation reproduces VisGym's `maze_2d` seed for seed (the rules are in the README's "The maze" section): numpy's
 PCG64 generator seeded like gymnasium, one draw for Wilson's loop-erased random walk (run on
 `random.Random`), one draw for the corner pair. Nothing here knows about models or images.
 """
