@@ -83,8 +83,8 @@ def connect():
     except ImportError as exc:
         raise BuildError("the Docker SDK for Python is missing: pip install 'docker>=7' (make setup installs it)") from exc
     except Exception as exc:
-        raise BuildError(f"no Docker engine reachable ({type(exc).__name__}): start Docker (or set DOCKER_HOST) and run "
-                         "`make images` again; `bash .ci/run` installs and starts one where it is root with apt") from exc
+        raise BuildError(f"no Docker engine reachable ({type(exc).__name__}): start Docker (or set DOCKER_HOST) and try "
+                         "again; `bash docker/with-engine.sh COMMAND` installs and starts one where it is root with apt") from exc
 
 
 def resolve_base(client, base_image: str, explicit: bool) -> str:

@@ -131,18 +131,14 @@ def named_volumes(service: dict) -> list[tuple[str, str]]:
 
 
 def connect():
-    """Returns a Docker client whose engine answers, or raises StackError saying how to get one."""
-    try:
-        import docker
+    """Returns a Docker client whose engine answers, or raises StackError saying how to get one (docker/build.py's check)."""
+    from build import BuildError  # docker/build.py, beside this file
+    from build import connect as engine_client
 
-        client = docker.from_env(timeout=120)
-        client.ping()
-        return client
-    except ImportError as exc:
-        raise StackError("the Docker SDK for Python is missing: pip install 'docker>=7' (make setup installs it)") from exc
-    except Exception as exc:
-        raise StackError(f"no Docker engine reachable ({type(exc).__name__}): start Docker (or set DOCKER_HOST); "
-                         "`bash .ci/run` installs and starts one where it is root with apt") from exc
+    try:
+        return engine_client()
+    except BuildError as exc:
+        raise StackError(str(exc)) from exc
 
 
 def port_in_use(ip: str, port: int) -> bool:
