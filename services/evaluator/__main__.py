@@ -131,6 +131,7 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
     history_path = volume.run(run_id) / "evals" / "watch" / "history.jsonl"
     while True:
         done = {int(r["step"]) for r in read_jsonl(history_path)}
+        skyrl_rates = skyrl_solve_rates(volume.run(run_id))  # once a pass: SkyRL's eval dumps, if any
         for step, policy in complete_exports(volume, run_id):
             if step in done:
                 continue
@@ -142,7 +143,7 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
                     exit_on_errors([summary], out)
                 continue
             row = {"step": step, **summary}
-            skyrl_rate = skyrl_solve_rates(volume.run(run_id)).get(step)
+            skyrl_rate = skyrl_rates.get(step)
             if skyrl_rate is not None:
                 row["skyrl_solve_rate"] = skyrl_rate
                 print(f"step {step}: SkyRL's in-loop eval solved {skyrl_rate:.1%} (eval/all/environment/solved)")

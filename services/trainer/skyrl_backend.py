@@ -226,8 +226,8 @@ def dry_run(cfg: RunConfig, config_path: str | None = None) -> list[str]:
     if skyrl_installed():
         skyrl_config(cfg)
         verdict = f"# validated by SkyRL {SKYRL_VERSION} (SkyRLTrainConfig.from_cli_overrides + validate_cfg)"
-    elif batch_problems(cfg):
-        raise SkyRLRejected("; ".join(batch_problems(cfg)))
+    elif problems := batch_problems(cfg):
+        raise SkyRLRejected("; ".join(problems))
     else:
         verdict = f"# not validated: SkyRL is not installed here ({SKYRL_PIN} needs Python >= 3.12; use .venv-skyrl)"
     train, val = data_files(cfg)
