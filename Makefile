@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## Create .venv (Python 3.11) with pinned torch and the project with every extra (idempotent)
 
-$(SKYRL_STAMP): pyproject.toml
+$(SKYRL_STAMP): pyproject.toml | $(STAMP)
 	@test -n "$(PYTHON312)" || { echo "error: SkyRL's tests need Python 3.12 (pyenv install 3.12, or PYTHON312=/path/to/python3.12)"; exit 2; }
 	@test -x $(SKYRL_PY) || $(PYTHON312) -m venv $(SKYRL_VENV)
 	$(SKYRL_PY) -m pip install -q --upgrade pip
@@ -46,6 +46,8 @@ $(SKYRL_STAMP): pyproject.toml
 	@# SkyRL's model wrapper imports flash-attn's padding helpers: its sources, without the CUDA kernels.
 	FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
 	  $(SKYRL_PY) -m pip install -q --no-build-isolation --no-deps '$(FLASH_ATTN_PIN)'
+	@# torch's CUDA libraries and triton are the same files as in .venv: one copy on disk, hard-linked (~4 GB).
+	$(PY) envs/link_duplicates.py $(SKYRL_VENV) $(VENV)
 	@rm -f $(SKYRL_VENV)/.installed-*
 	@touch $@
 

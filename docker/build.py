@@ -208,6 +208,27 @@ def build_one(client, name: str, repo: str, build_args: dict, rev: str) -> tuple
     return image
 
 
+def prune_superseded(client, repo: str, keep) -> int:
+    """Removes this repo's images that `keep` (the build just made) replaced; returns how many went.
+
+    Each build tags the commit it came from, so without this every commit tested leaves a full set of images
+    behind. Images with no tag left (superseded `latest`) go too; containers still using one keep it."""
+    import docker
+
+    removed = 0
+    for image in client.images.list(name=repo) + client.images.list(filters={"dangling": True}):
+        title = (image.labels or {}).get("org.opencontainers.image.title")
+        if image.id == keep.id or title != keep.labels.get("org.opencontainers.image.title"):
+            continue
+        try:
+            for tag in image.tags or [image.id]:  # untagging the last name removes the image
+                client.images.remove(tag)
+            removed += 1
+        except docker.errors.APIError:
+            pass  # in use by a container: left alone
+    return removed
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python docker/build.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,6 +240,8 @@ def main(argv=None) -> None:
                         "images trust, e.g. a proxy's (default: this host's locally added ones; '' for none)")
     parser.add_argument("--registry", default="", help="prefix for the image names, e.g. 123.dkr.ecr.us-west-2.amazonaws.com/")
     parser.add_argument("--push", action="store_true", help="push every tag after building (needs --registry)")
+    parser.add_argument("--keep-old", action="store_true", help="keep the images earlier commits built (default: "
+                        "each build removes the ones it replaces)")
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or [n for n in IMAGES if args.gpu or n not in GPU_IMAGES]
     unknown = [n for n in names if n not in IMAGES]
@@ -246,6 +269,10 @@ def main(argv=None) -> None:
             started = time.time()
             image = build_one(client, name, repo, build_args if name in cpu else {}, rev)
             built.append((repo, image, time.time() - started))
+            if not args.keep_old:
+                removed = prune_superseded(client, repo, image)
+                if removed:
+                    print(f"removed {removed} superseded {repo} image(s) (--keep-old keeps them)", flush=True)
             if args.push:
                 for tag in (version(), rev, "latest"):
                     for line in client.api.push(repo, tag=tag, stream=True, decode=True):

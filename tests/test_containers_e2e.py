@@ -212,6 +212,8 @@ def test_images_are_labelled_tagged_non_root_and_clean(images, client):
         assert labels["org.opencontainers.image.version"] == build.version()
         assert labels["org.opencontainers.image.revision"] == rev
         assert image.attrs["Config"]["User"] not in ("", "root", "0"), f"{name} runs as root"
+        # The images earlier commits built were removed by this build (they would fill the disk commit by commit).
+        assert [i.id for i in client.images.list(name=f"maze-grpo/{name}")] == [image.id], name
     # Nothing of the build or the tests in a service image: no wheels, pip cache, tests or build folders.
     # (Debian's ensurepip wheels and virtualenv's seed wheels are parts of installed packages, not leftovers.)
     for name in ("trainer-cpu", "exporter"):
