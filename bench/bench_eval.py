@@ -6,12 +6,12 @@ import time
 from bench.bench_rollout import engine_for_bench
 from shared.episodes import EpisodeSettings
 from shared.evaluation import evaluate
-from shared.maze.dataset import EvalSet, parse_seeds
+from shared.maze.dataset import EvalSet
 
 
 def run():
     cfg, engine, name = engine_for_bench()
-    eval_set = EvalSet(cfg.env.eval_env, parse_seeds(cfg.env.eval_seeds), cfg.env.max_turns)
+    eval_set = EvalSet.held_out(cfg.env)
     times, summary = [], None
     for _ in range(3):
         started = time.perf_counter()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shared.config import load_config
 from shared.episodes import EpisodeSettings, run_episodes
-from shared.maze.dataset import EvalSet, parse_seeds
+from shared.maze.dataset import EvalSet
 from shared.models.engine import LocalEngine
 from shared.models.tiny import ensure_tiny_model
 from shared.models.vllm_engine import VLLM_PYTHON
@@ -31,7 +31,7 @@ def run():
     model_dir = ensure_tiny_model(cfg, log=lambda *_: None)
     run_id = _adapter_run(cfg, model_dir, shared)
     adapter_dir = SharedVolume(shared).export(run_id, 2)
-    mazes = EvalSet(cfg.env.eval_env, parse_seeds(cfg.env.eval_seeds), cfg.env.max_turns).mazes()
+    mazes = EvalSet.held_out(cfg.env).mazes()
     settings = EpisodeSettings.from_config(cfg, temperature=0.0)
     started_ray = not ray.is_initialized()
     if started_ray:

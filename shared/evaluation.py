@@ -7,10 +7,13 @@ from its own dumps (`skyrl_solve_rates`).
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from tqdm import tqdm
 
 from shared.episodes import Episode, EpisodeSettings, run_episodes
 from shared.maze.dataset import EvalSet
@@ -90,21 +93,72 @@ def failure_kind(record: dict, max_turns: int) -> str:
 
 
 def evaluate(engine, eval_set: EvalSet, settings: EpisodeSettings, out_dir: str | Path | None = None,
-             model: str | None = None, adapter: str | None = None, extra: dict | None = None,
-             progress=None) -> tuple[dict, list[Episode]]:
-    """Plays the eval set (greedy unless settings say otherwise); writes summary.json + episodes.jsonl."""
+             model: str | None = None, adapter: str | None = ..., extra: dict | None = None,
+             progress: str | None = None) -> tuple[dict, list[Episode]]:
+    """Plays the eval set (greedy unless settings say otherwise); writes summary.json + episodes.jsonl.
+
+    `adapter` is what the summary names as the adapter (default: the engine's); `progress` names a progress bar
+    over turns, with the finished mazes beside it (none when None)."""
     settings = EpisodeSettings(**{**settings.__dict__, "max_turns": eval_set.max_turns})
     started = time.perf_counter()
-    episodes = run_episodes(engine, eval_set.mazes(), settings, progress=progress)
+    bar = tqdm(total=eval_set.max_turns, desc=progress, unit="turn", leave=False) if progress else None
+
+    def update(turn: int, done: int, total: int) -> None:
+        bar.update(turn - bar.n)
+        bar.set_postfix(finished=f"{done}/{total}")
+
+    episodes = run_episodes(engine, eval_set.mazes(), settings, progress=update if bar else None)
+    if bar:
+        bar.close()
     elapsed = time.perf_counter() - started
     summary = summarize(episodes, eval_set, model or getattr(engine, "name", "?"),
-                        adapter if adapter is not None else getattr(engine, "adapter", None),
+                        getattr(engine, "adapter", None) if adapter is ... else adapter,
                         {"elapsed_s": round(elapsed, 2), "temperature": settings.temperature, **(extra or {})})
     if out_dir is not None:
         out_dir = Path(out_dir)
         atomic_write_text(out_dir / "episodes.jsonl", "".join(json.dumps(e.record()) + "\n" for e in episodes))
         atomic_write_json(out_dir / "summary.json", summary)  # last: a summary means the folder is complete
     return summary, episodes
+
+
+# ---- intervals and the paired test behind the run summary --------------------------------------------------
+
+Z95 = 1.959964  # the normal quantile of a two-sided 95% interval
+
+
+def wilson_interval(solved: int, total: int, z: float = Z95) -> tuple[float, float]:
+    """Returns the 95% Wilson score interval of a solve rate (stays inside [0, 1], sound for small counts)."""
+    if total == 0:
+        return 0.0, 1.0
+    p = solved / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def solved_by_seed(eval_dir: str | Path) -> dict[int, bool]:
+    """Returns {seed: solved} from an evaluation folder's episodes.jsonl."""
+    lines = Path(eval_dir, "episodes.jsonl").read_text().splitlines()
+    return {int(r["seed"]): bool(r["solved"]) for r in map(json.loads, lines) if r}
+
+
+def paired_comparison(before: dict[int, bool], after: dict[int, bool], z: float = Z95) -> dict:
+    """Compares two policies on the same mazes: the change in solve rate with its paired 95% interval.
+
+    Only the discordant mazes carry information: `gained` (solved after, not before) and `lost`. The interval is
+    the Wald interval of a difference of paired proportions; `p_value` is McNemar's exact two-sided test."""
+    seeds = sorted(before)
+    if sorted(after) != seeds:
+        raise ValueError("a paired comparison needs the same mazes on both sides")
+    n = len(seeds)
+    gained = sum(after[s] and not before[s] for s in seeds)
+    lost = sum(before[s] and not after[s] for s in seeds)
+    diff = (gained - lost) / n if n else 0.0
+    se = math.sqrt(max(gained + lost - (gained - lost) ** 2 / n, 0.0)) / n if n else 0.0
+    discordant = gained + lost
+    tail = sum(math.comb(discordant, k) for k in range(min(gained, lost) + 1)) / 2**discordant if discordant else 1.0
+    return {"mazes": n, "gained": gained, "lost": lost, "difference": diff, "ci_low": diff - z * se,
+            "ci_high": diff + z * se, "p_value": min(1.0, 2 * tail)}
 
 
 def describe(summary: dict) -> str:

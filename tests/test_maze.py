@@ -195,6 +195,30 @@ def test_training_tickets_exclude_eval_mazes_by_content():
     assert [m.seed for m in resumed.take(10)] == [m.seed for m in taken[:10]]
 
 
+def test_sft_and_rl_draw_disjoint_streams_that_skip_every_held_out_set():
+    from shared.config import ConfigError, load_config
+    from shared.maze.dataset import excluded_from_training
+
+    cfg = load_config(overrides=["sft.num_mazes=40", "env.sft_seed_start=500", "env.rl_seed_start=700"], environ={})
+    excluded = excluded_from_training(cfg.env)
+    held_out = EvalSet.held_out(cfg.env).content_hashes() | EvalSet.extended(cfg.env).content_hashes()
+    assert excluded == held_out and len(held_out) == 575  # seeds 0-575: one maze of 64-575 repeats another
+    sft = TrainingTickets.for_sft(cfg.env, excluded)
+    sft_mazes = sft.take(40)
+    rl = TrainingTickets.for_rl(cfg.env, excluded)
+    rl_mazes = rl.take(40)
+    # Seeds 500-575 are held out (the extended set): the SFT stream skipped them by content.
+    assert not {m.content_hash() for m in sft_mazes + rl_mazes} & held_out
+    assert sft.rejected == 76 and sft_mazes[0].seed == 576
+    assert max(m.seed for m in sft_mazes) < min(m.seed for m in rl_mazes)
+    assert sft.seed_range() == "500-615" and rl.seed_range().startswith("700-")
+    # The SFT stream stops where GRPO's starts instead of drawing GRPO's mazes.
+    with pytest.raises(ValueError, match="raise env.rl_seed_start"):
+        TrainingTickets.for_sft(cfg.env, excluded).take(200)
+    with pytest.raises(ConfigError, match="env.rl_seed_start = 10 must lie past the SFT mazes"):
+        load_config(overrides=["sft.num_mazes=40", "env.sft_seed_start=0", "env.rl_seed_start=10"], environ={})
+
+
 def test_training_tickets_can_skip_mazes_no_agent_solves_in_budget():
     every = TrainingTickets("maze_2d/easy", set(), start=1_000_000).take(60)
     solvable = TrainingTickets("maze_2d/easy", set(), start=1_000_000, max_actions=15).take(30)

@@ -20,7 +20,7 @@ from shared.storage import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 MINIMAL = ["sft.num_mazes=8", "rollout.train_batch_size=2", "rollout.n_samples_per_prompt=2", "env.max_turns=3",
-           "env.eval_seeds=0-1", "rollout.max_new_tokens=6", "schedule.total_steps=2", "schedule.eval_interval=2",
+           "env.eval_seeds=0-1", "env.extended_eval_seeds=null", "rollout.max_new_tokens=6", "schedule.total_steps=2", "schedule.eval_interval=2",
            "schedule.ckpt_interval=2", "schedule.hf_save_interval=2", "lora.rank=4", "lora.alpha=8"]
 
 

@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 # A minimal run: 2 mazes x 2 samples, 4-turn episodes, a 4-maze eval set, a few-second SFT.
 MINIMAL = [
     "sft.num_mazes=12", "sft.batch_size=16", "rollout.train_batch_size=2", "rollout.n_samples_per_prompt=2",
-    "env.max_turns=4", "env.eval_seeds=0-3", "rollout.max_new_tokens=8", "schedule.total_steps=2",
+    "env.max_turns=4", "env.eval_seeds=0-3", "env.extended_eval_seeds=4-11", "rollout.max_new_tokens=8",
+    "schedule.total_steps=2",
     "schedule.eval_interval=1", "schedule.ckpt_interval=1", "schedule.hf_save_interval=1",
     "lora.rank=4", "lora.alpha=8", "algorithm.lr=0.01", "rollout.temperature=1.0",
     # GiGPO and one optimizer step per maze group: the states travel from the Ray workers, resume stays exact
@@ -186,8 +187,25 @@ def test_two_step_run_writes_every_artifact(trained):
     assert (run / "ckpts" / "latest_ckpt_global_step.txt").read_text().strip() == "2"
     verify_manifest(run / "lora_sync")
     assert (run / "solve_rate_vs_step.png").stat().st_size > 1000
-    assert (shared / "models" / "tiny-qwen3vl-sft" / "eval" / "summary.json").exists()
-    assert "held-out solve rate" in proc.stdout
+    sft_summary = json.loads((shared / "models" / "tiny-qwen3vl-sft" / "eval" / "summary.json").read_text())
+    assert sft_summary["sft_seeds"].startswith("1000000-")
+    # The extended set scored the warm start (adapter off) and the final policy; the summary pairs them.
+    for step, adapter in ((0, None), (2, "full@global_step_2")):
+        extended = json.loads((run / "evals" / f"extended_step_{step}" / "summary.json").read_text())
+        assert (extended["seeds"], extended["total"], extended["adapter"]) == ("4-11", 8, adapter)
+    summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["curve"]) == ["0", "1", "2"] and summary["steps"] == 2 and summary["wall_s"] > 0
+    assert set(summary["comparisons"]) == {"held-out 4", "extended 8"}
+    for comparison in summary["comparisons"].values():
+        assert (comparison["before"]["step"], comparison["after"]["step"]) == (0, 2)
+        paired = comparison["paired"]
+        assert paired["difference"] == pytest.approx(
+            (comparison["after"]["solved"] - comparison["before"]["solved"]) / comparison["before"]["total"])
+        assert paired["ci_low"] <= paired["difference"] <= paired["ci_high"]
+    # GRPO's mazes come after SFT's, and run.yaml says which it drew (2 steps x 2 mazes).
+    assert summary["sft_seeds"] == sft_summary["sft_seeds"] and summary["rl_seeds"] == "2000000-2000003"
+    assert "# rl_seeds: 2000000-2000003" in (run / "run.yaml").read_text()
+    assert "== full: 2 GRPO steps" in proc.stdout and "extended 8" in proc.stdout
 
 
 def test_kill_and_resume_reproduces_the_uninterrupted_run(trained):
@@ -241,5 +259,32 @@ def test_restart_from_scratch_keeps_every_eval_in_history(trained):
     assert proc.returncode == 0, proc.stderr[-2000:]
     history = [json.loads(line)["step"] for line in (run / "evals" / "history.jsonl").read_text().splitlines()]
     assert sorted(history) == [0, 1, 2], history
-    table = proc.stdout[proc.stdout.rindex("  step "):].splitlines()
-    assert [int(row.split()[0]) for row in table[1:4]] == [0, 1, 2], table
+    assert list(json.loads((run / "summary.json").read_text())["curve"]) == ["0", "1", "2"]
+    assert "held-out curve (step: solve rate): 0: " in proc.stdout
+
+
+def test_sft_does_fixed_work_whatever_the_machine_speed(tiny_cfg, tiny_model_dir, monkeypatch):
+    """The warm start runs every batch its config implies, in a seed-fixed order: a machine so slow that each
+    clock read is an hour later trains the identical model."""
+    import time as clock
+
+    from services.trainer.sft import run_sft
+    from shared.config import load_config
+
+    def cfg_for(name):
+        return load_config(REPO / "configs" / "tiny-cpu.yaml", [
+            f"storage.shared_dir={tiny_cfg.shared_path()}", f"model.path={name}", "sft.num_mazes=12",
+            "sft.batch_size=16", "env.eval_seeds=0-1", "env.max_turns=4", "rollout.max_new_tokens=8"], environ={})
+
+    idle = run_sft(cfg_for("sft-idle"), log=lambda *_: None)
+    real = clock.perf_counter
+    hours = iter(range(10**6))
+    monkeypatch.setattr(clock, "perf_counter", lambda: real() + 3600 * next(hours))
+    loaded = run_sft(cfg_for("sft-loaded"), log=lambda *_: None)
+    monkeypatch.undo()
+    summaries = [json.loads((d / "eval" / "summary.json").read_text()) for d in (idle, loaded)]
+    assert summaries[0]["sft_batches"] == summaries[1]["sft_batches"] == -(-summaries[0]["sft_samples"] // 16)
+    assert summaries[0]["sft_train_s"] < 3600 < summaries[1]["sft_train_s"]  # the slow clock did apply
+    first, second = (load_file(str(d / "model.safetensors")) for d in (idle, loaded))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)

@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapter", default=None, help="LoRA export folder, or an adapter id in $S3_URI/adapters/")
     parser.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model-name", default=None, help="model name for --base-url (base or base:adapter)")
-    parser.add_argument("--seeds", default=None, help="eval seeds (default: the profile's, 0-63)")
+    parser.add_argument("--seeds", default=None, help="eval seeds: A-B, A,B,C, or 'extended' for the "
+                        "profile's extended held-out set (default: the profile's eval_seeds, 0-63)")
     parser.add_argument("--max-turns", type=turn_budget, default=None, help="turn budget per maze (1..200)")
     parser.add_argument("--no-gifs", action="store_true", help="skip the per-episode GIFs")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), type=eval_folder,
@@ -224,6 +225,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         sys.exit(str(exc))
+    if args.seeds == "extended":
+        if not cfg.env.extended_eval_seeds:
+            sys.exit("error: --seeds extended: this profile sets no env.extended_eval_seeds")
+        args.seeds = cfg.env.extended_eval_seeds
     try:
         seeds = parse_seeds(args.seeds or cfg.env.eval_seeds)
     except ValueError as exc:

@@ -9,6 +9,7 @@ complete checkpoint, reproducing the uninterrupted run (rollout seeds depend onl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,11 +25,18 @@ import torch
 from tqdm import tqdm
 
 from services.trainer.rollout import RolloutWorker, build_policy, load_adapter_weights
-from services.trainer.sft import ensure_sft, eval_set_of
+from services.trainer.sft import ensure_sft
 from shared.config import RunConfig, dump_config
 from shared.episodes import EpisodeSettings
-from shared.evaluation import describe, evaluate, plot_solve_rate
-from shared.maze.dataset import TrainingTickets
+from shared.evaluation import (
+    describe,
+    evaluate,
+    paired_comparison,
+    plot_solve_rate,
+    solved_by_seed,
+    wilson_interval,
+)
+from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
 from shared.models.engine import LocalEngine, collate, token_logprobs
 from shared.storage import (
     LATEST_STEP_FILE,
@@ -225,6 +233,7 @@ class Trainer:
 
     def run(self) -> dict:
         cfg, volume, run_id = self.cfg, self.volume, self.cfg.run_id
+        started = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg))
         base_dir = ensure_sft(cfg, log=self.log)
@@ -235,9 +244,12 @@ class Trainer:
         model, processor = build_policy(base_dir, cfg.lora, cfg.model.base_model_id, cfg.model.dtype, trainable=True)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.algorithm.lr, weight_decay=cfg.algorithm.weight_decay)
-        eval_set = eval_set_of(cfg)
+        eval_set = EvalSet.held_out(cfg.env)
         eval_set.save(volume.dataset(cfg.env.eval_env))
-        tickets = TrainingTickets.for_rl(cfg.env, eval_set.content_hashes())
+        extended = EvalSet.extended(cfg.env)
+        if extended:
+            extended.save(volume.dataset(cfg.env.eval_env))
+        tickets = TrainingTickets.for_rl(cfg.env, excluded_from_training(cfg.env))
 
         step = 0
         if cfg.schedule.resume_mode == "latest":
@@ -248,7 +260,10 @@ class Trainer:
         self._truncate_metrics(step)
 
         self._start_ray()
-        workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir)) for _ in range(cfg.rollout.num_workers)]
+        # The workers share this machine's cores (on a cluster each gets its own node's).
+        threads = max(1, (os.cpu_count() or 1) // cfg.rollout.num_workers)
+        workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir), threads)
+                   for _ in range(cfg.rollout.num_workers)]
         engine = LocalEngine.for_model(cfg, model, processor, name=cfg.model.base_model_id, adapter=run_id)
         eval_settings = EpisodeSettings.from_config(cfg)
         history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
@@ -269,8 +284,23 @@ class Trainer:
                 history[at_step] = summary
             return summary
 
+        def run_extended(at_step: int) -> Path:
+            """Scores the warm start (step 0: the adapter switched off) or the policy on the extended held-out set."""
+            out = volume.eval(run_id, f"extended_step_{at_step}")
+            if not (out / "summary.json").exists():
+                model.eval()
+                name = "warm start" if at_step == 0 else f"step {at_step}"
+                with model.disable_adapter() if at_step == 0 else contextlib.nullcontext():
+                    summary, _ = evaluate(engine, extended, eval_settings, out, model=cfg.model.base_model_id,
+                                          adapter=None if at_step == 0 else f"{run_id}@global_step_{at_step}",
+                                          extra={"step": at_step}, progress=f"extended eval ({name})")
+                self.log(f"extended eval, {name}: " + describe(summary))
+            return out
+
         if cfg.schedule.eval_before_train and step == 0:
             run_eval(0)
+        if extended:
+            run_extended(0)
         self._sync(model, workers, step)
 
         bar = tqdm(total=cfg.schedule.total_steps, initial=step, desc=f"grpo {run_id}", unit="step")
@@ -296,7 +326,8 @@ class Trainer:
                             eval=f"{last_eval:.2f}")
             bar.update(1)
         bar.close()
-        return self._finish(history)
+        extended_dirs = (run_extended(0), run_extended(step)) if extended and step else None
+        return self._finish(history, extended_dirs, tickets, time.perf_counter() - started)
 
     def train_step(self, step, model, optimizer, processor, params, workers, tickets) -> dict:
         cfg, algo = self.cfg, self.cfg.algorithm
@@ -415,20 +446,64 @@ class Trainer:
         kept = [r for r in read_jsonl(hist) if int(r.get("step", 0)) <= step]
         atomic_write_text(hist, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
-    def _finish(self, history: dict) -> dict:
+    def _finish(self, history: dict, extended_dirs: tuple[Path, Path] | None, tickets: TrainingTickets,
+                wall_s: float) -> dict:
+        """Writes the curve, summary.json and run.yaml's data ranges; prints the summary a user reads at a glance."""
+        cfg, run_id = self.cfg, self.cfg.run_id
         steps = sorted(history)
         if steps:
             plot_solve_rate(self.run_dir / "solve_rate_vs_step.png", steps, [history[s]["solve_rate"] for s in steps],
-                            history[steps[0]]["oracle_solved"] / history[steps[0]]["total"], self.cfg.run_id)
-        rows = [f"{'step':>6} {'solved':>8} {'solve_rate':>10} {'ceiling':>8}"]
-        for s in steps:
-            h = history[s]
-            rows.append(f"{s:>6} {h['solved']:>5}/{h['total']:<2} {100 * h['solve_rate']:>9.1f}% {h['oracle_solved']:>5}/{h['total']}")
-        self.log("\n".join(rows))
-        first, last = (history[steps[0]], history[steps[-1]]) if steps else ({}, {})
-        result = {"run_id": self.cfg.run_id, "first_eval": first.get("solve_rate"), "final_eval": last.get("solve_rate"),
-                  "steps": steps[-1] if steps else 0}
-        if steps:
-            self.log(f"held-out solve rate: {100 * first['solve_rate']:.1f}% (step {steps[0]}) -> "
-                     f"{100 * last['solve_rate']:.1f}% (step {steps[-1]}); oracle ceiling {last['oracle_solved']}/{last['total']}")
+                            history[steps[0]]["oracle_solved"] / history[steps[0]]["total"], run_id)
+        sft_eval = self.volume.model(cfg.model.path) / "eval" / "summary.json"
+        data = {"sft_seeds": json.loads(sft_eval.read_text()).get("sft_seeds") if sft_eval.exists() else None,
+                "rl_seeds": tickets.seed_range()}
+        atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg) + "".join(
+            f"# {name}: {value or 'none drawn'}  (seeds drawn, inclusive; written at the end of the run)\n"
+            for name, value in data.items()))
+        sets = {}
+        if len(steps) > 1:
+            folders = [self.volume.eval(run_id, f"global_step_{s}") for s in (steps[0], steps[-1])]
+            sets[f"held-out {history[steps[-1]]['total']}"] = folders
+        if extended_dirs:
+            sets[f"extended {len(solved_by_seed(extended_dirs[0]))}"] = list(extended_dirs)
+        comparisons = {name: compare_evals(*folders) for name, folders in sets.items()}
+        result = {"run_id": run_id, "steps": steps[-1] if steps else 0, "wall_s": round(wall_s, 1), **data,
+                  "first_eval": history[steps[0]]["solve_rate"] if steps else None,
+                  "final_eval": history[steps[-1]]["solve_rate"] if steps else None,
+                  "curve": {str(s): history[s]["solve_rate"] for s in steps}, "comparisons": comparisons}
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(result, indent=2) + "\n")
+        self.log(run_summary(result))
         return result
+
+
+def compare_evals(before_dir: Path, after_dir: Path) -> dict:
+    """Returns warm start vs final on one eval set: counts, 95% intervals, the paired test, the ceiling."""
+    before, after = solved_by_seed(before_dir), solved_by_seed(after_dir)
+    ends = {}
+    for name, folder, solved in (("before", before_dir, before), ("after", after_dir, after)):
+        summary = json.loads((folder / "summary.json").read_text())
+        low, high = wilson_interval(sum(solved.values()), len(solved))
+        ends[name] = {"step": summary.get("step"), "solved": sum(solved.values()), "total": len(solved),
+                      "ci_low": low, "ci_high": high, "oracle_solved": summary["oracle_solved"]}
+    return {**ends, "paired": paired_comparison(before, after)}
+
+
+def run_summary(result: dict) -> str:
+    """Returns the end-of-run block: warm start vs final per eval set, the ceiling, the curve, the wall time."""
+    def rate(end: dict) -> str:
+        return (f"{end['solved']:>3}/{end['total']:<3} {100 * end['solved'] / end['total']:5.1f}% "
+                f"[{100 * end['ci_low']:4.1f}-{100 * end['ci_high']:4.1f}]")
+
+    minutes = result["wall_s"] / 60
+    lines = [f"== {result['run_id']}: {result['steps']} GRPO steps, {minutes:.1f} min wall ==",
+             f"{'':14} {'warm start (95% CI)':24} {'final (95% CI)':24} {'change, paired 95% CI':28} ceiling"]
+    for name, c in result["comparisons"].items():
+        p = c["paired"]
+        change = (f"{100 * p['difference']:+5.1f} pts [{100 * p['ci_low']:+.1f}, {100 * p['ci_high']:+.1f}] "
+                  f"p={p['p_value']:.2g}")
+        lines.append(f"{name:14} {rate(c['before']):24} {rate(c['after']):24} {change:28} "
+                     f"{c['after']['oracle_solved']}/{c['after']['total']}")
+    curve = " -> ".join(f"{s}: {100 * r:.1f}%" for s, r in result["curve"].items())
+    lines.append(f"held-out curve (step: solve rate): {curve}")
+    lines.append(f"data: sft seeds {result['sft_seeds'] or 'n/a'}, rl seeds {result['rl_seeds'] or 'n/a'}")
+    return "\n".join(lines)

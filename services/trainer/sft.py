@@ -3,7 +3,9 @@
     python -m services.trainer.sft --config configs/tiny-cpu.yaml     (what `make sft` runs)
 
 Trajectories are formatted exactly as RL rollouts are (multi-turn, one image per turn, the same
-memory guard), one training sample per turn. Training mazes never include an eval maze (by content).
+memory guard), one training sample per turn. Training mazes come from their own seed stream
+(env.sft_seed_start, disjoint from GRPO's) and never include a held-out maze (by content). The work is
+fixed: every batch the config implies runs, on any machine, in an order that depends only on the seed.
 At the end the 64 held-out mazes are played greedily and `eval/summary.json` lands in the checkpoint.
 """
 
@@ -21,17 +23,13 @@ from shared.config import ConfigError, RunConfig, add_config_arguments, config_f
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
 from shared.maze.core import Maze, MazeEpisode, solve
-from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
+from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
 from shared.maze.prompt import PromptStyle, solver_reply
 from shared.maze.render import render_rgb
 from shared.models.chat import assistant_turn, user_turn
 from shared.models.engine import LocalEngine, TrainingSample, collate, encode_conversation, load_model, token_logprobs
 from shared.models.tiny import ensure_tiny_model
 from shared.storage import SharedVolume, is_complete, staged_dir
-
-
-def eval_set_of(cfg: RunConfig) -> EvalSet:
-    return EvalSet(cfg.env.eval_env, parse_seeds(cfg.env.eval_seeds), cfg.env.max_turns)
 
 
 def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
@@ -95,17 +93,21 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     model, processor = load_model(base_dir, cfg.model.dtype)
-    eval_set = eval_set_of(cfg)
+    eval_set = EvalSet.held_out(cfg.env)
     eval_set.save(volume.dataset(cfg.env.eval_env))
-    tickets = TrainingTickets(cfg.env.id, eval_set.content_hashes(), cfg.env.train_seed_start)
+    tickets = TrainingTickets.for_sft(cfg.env, excluded_from_training(cfg.env))
     sft = cfg.sft
 
     started = time.perf_counter()
     samples: list[TrainingSample] = []
-    for maze in tqdm(tickets.take(sft.num_mazes), desc="sft data", unit="maze", leave=False):
+    try:
+        mazes = tickets.take(sft.num_mazes)
+    except ValueError as exc:
+        raise ConfigError(f"config error: {exc}") from None
+    for maze in tqdm(mazes, desc="sft data", unit="maze", leave=False):
         samples.extend(turn_samples(processor, expert_conversation(maze, cfg), cfg, sft.train_fraction_of_turns, rng))
-    log(f"sft: {len(samples)} turn samples from {sft.num_mazes} mazes "
-        f"({tickets.rejected} candidates rejected as eval mazes) in {time.perf_counter() - started:.0f}s")
+    log(f"sft: {len(samples)} turn samples from {sft.num_mazes} mazes, seeds {tickets.seed_range()} "
+        f"({tickets.rejected} candidates rejected as held-out mazes) in {time.perf_counter() - started:.0f}s")
 
     model.train()
     if not sft.train_vision:  # as in LLaVA-style SFT: the encoder stays as built, the language model learns to read it
@@ -115,9 +117,8 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=sft.lr, weight_decay=0.01)
     total_batches = sft.epochs * ((len(samples) + sft.batch_size - 1) // sft.batch_size)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=sft.lr, total_steps=total_batches, pct_start=0.05)
-    deadline = time.perf_counter() + sft.max_minutes * 60
     bar = tqdm(total=total_batches, desc="sft", unit="batch")
-    done_batches, stopped_early, accuracy = 0, False, 0.0
+    done_batches, accuracy = 0, 0.0
     for _ in range(sft.epochs):
         for chunk in length_bucketed(samples, sft.batch_size, rng):
             batch = collate(processor, chunk)
@@ -135,15 +136,8 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
             done_batches += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", turn_acc=f"{accuracy:.2f}")
-            if time.perf_counter() > deadline:
-                stopped_early = True
-                break
-        if stopped_early:
-            break
     bar.close()
     train_s = time.perf_counter() - started
-    if stopped_early:
-        log(f"sft: stopped at the {sft.max_minutes:g}-minute budget after {done_batches}/{total_batches} batches")
     model.eval()
 
     with staged_dir(out_dir) as tmp:
@@ -152,7 +146,8 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
         engine = LocalEngine.for_model(cfg, model, processor, name=cfg.model.path)
         summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), tmp / "eval",
                               model=cfg.model.path, adapter=None,
-                              extra={"sft_batches": done_batches, "sft_train_s": round(train_s, 1)})
+                              extra={"sft_samples": len(samples), "sft_batches": done_batches, "sft_train_s": round(train_s, 1),
+                                     "sft_seeds": tickets.seed_range(), "sft_seed_rejected": tickets.rejected})
     log("sft eval: " + describe(summary))
     return out_dir
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from shared.config import REPO_ROOT, RunConfig
 from shared.evaluation import SKYRL_SOLVE_RATE_METRIC
-from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
+from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training, parse_seeds
 from shared.maze.skyrl_env import ENV_CLASS, register_env
 from shared.storage import SharedVolume, atomic_write_text
 
@@ -87,8 +87,8 @@ def data_files(cfg: RunConfig) -> tuple[Path, Path]:
         return "".join(json.dumps({"prompt": placeholder, "env_class": ENV_CLASS, "env_id": env_id, "seed": s, **extras}) + "\n"
                        for s in seeds)
 
-    eval_set = EvalSet(env.eval_env, parse_seeds(env.eval_seeds), env.max_turns)
-    tickets = TrainingTickets.for_rl(env, eval_set.content_hashes())
+    eval_set = EvalSet.held_out(env)
+    tickets = TrainingTickets.for_rl(env, excluded_from_training(env))
     count = cfg.rollout.train_batch_size * max(cfg.schedule.total_steps, 1) * TRAIN_TICKETS_PER_STEP_MARGIN
     train = folder / "train.jsonl"
     val = folder / "val.jsonl"

@@ -33,6 +33,16 @@ class EvalSet:
     seeds: list[int]
     max_turns: int
 
+    @classmethod
+    def held_out(cls, env) -> EvalSet:
+        """Returns the held-out set an `env` config section names (env.eval_seeds, the reference's 64)."""
+        return cls(env.eval_env, parse_seeds(env.eval_seeds), env.max_turns)
+
+    @classmethod
+    def extended(cls, env) -> EvalSet | None:
+        """Returns the extended held-out set (env.extended_eval_seeds), or None where the config skips it."""
+        return cls(env.eval_env, parse_seeds(env.extended_eval_seeds), env.max_turns) if env.extended_eval_seeds else None
+
     @property
     def seeds_spec(self) -> str:
         contiguous = self.seeds == list(range(self.seeds[0], self.seeds[-1] + 1))
@@ -75,6 +85,12 @@ class EvalSet:
         return path
 
 
+def excluded_from_training(env) -> set[str]:
+    """Returns the content hashes of every held-out maze an `env` section names: no training stream yields one."""
+    sets = [EvalSet.held_out(env), EvalSet.extended(env)]
+    return set().union(*(s.content_hashes() for s in sets if s is not None))
+
+
 class TrainingTickets:
     """Training mazes: seeds from `start` upward, skipping any maze whose content equals an eval maze
     (and, with `max_actions`, any maze that needs more actions than that).
@@ -82,17 +98,29 @@ class TrainingTickets:
     The cursor is the next seed to try, so a checkpointed cursor resumes the exact same stream.
     """
 
-    def __init__(self, env_id: str, excluded: set[str], start: int = 1_000_000, max_actions: int | None = None):
+    def __init__(self, env_id: str, excluded: set[str], start: int, max_actions: int | None = None,
+                 stop: int | None = None):
         self.env_id = env_id
         self.excluded = excluded
         self.max_actions = max_actions  # skip mazes whose shortest solution takes more actions (None: keep all)
+        self.start = start
+        self.stop = stop  # the stream must not reach this seed (another stream's first): StopIteration there
         self.cursor = start
         self.rejected = 0
 
     @classmethod
+    def for_sft(cls, env, excluded: set[str]) -> TrainingTickets:
+        """Returns the SFT warm start's maze stream: from env.sft_seed_start, ending before GRPO's first seed."""
+        return cls(env.id, excluded, env.sft_seed_start, stop=env.rl_seed_start if env.rl_seed_start > env.sft_seed_start else None)
+
+    @classmethod
     def for_rl(cls, env, excluded: set[str]) -> TrainingTickets:
-        """Returns the RL ticket stream an `env` config section asks for (only solvable mazes if it says so)."""
-        return cls(env.id, excluded, env.train_seed_start, env.max_turns if env.train_solvable_only else None)
+        """Returns GRPO's maze stream (only solvable mazes if the config says so), disjoint from SFT's."""
+        return cls(env.id, excluded, env.rl_seed_start, env.max_turns if env.train_solvable_only else None)
+
+    def seed_range(self) -> str:
+        """Returns the seeds this stream has drawn so far, `A-B` inclusive (empty before the first)."""
+        return f"{self.start}-{self.cursor - 1}" if self.cursor > self.start else ""
 
     def take(self, count: int) -> list[Maze]:
         return [next(self) for _ in range(count)]
@@ -102,6 +130,9 @@ class TrainingTickets:
 
     def __next__(self) -> Maze:
         while True:
+            if self.stop is not None and self.cursor >= self.stop:
+                raise ValueError(f"the maze stream from seed {self.start} reached seed {self.stop}, where another "
+                                 "stream starts: raise env.rl_seed_start or lower sft.num_mazes")
             maze = generate(self.env_id, self.cursor)
             self.cursor += 1
             if maze.content_hash() in self.excluded:

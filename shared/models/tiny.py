@@ -237,7 +237,7 @@ def calibration_images(cfg: RunConfig, count: int = 32) -> list:
     from shared.maze.core import generate
     from shared.maze.render import render_rgb
 
-    return [Image.fromarray(render_rgb(generate(cfg.env.id, cfg.env.train_seed_start + 10_000_000 + i), cfg.env.cell_px))
+    return [Image.fromarray(render_rgb(generate(cfg.env.id, cfg.env.sft_seed_start + 10_000_000 + i), cfg.env.cell_px))
             for i in range(count)]
 
 
