@@ -182,3 +182,69 @@ def test_vision_tower_starts_out_seeing_neighbours(tiny):
     features = torch.cat(list(features))
     deviation = (features - features.mean(0)).norm(dim=-1).mean()
     assert features.mean(0).norm() < 0.5 * deviation  # no shared component drowning the cells
+
+
+def test_shared_decoder_gives_transformers_generate_replies(tiny):
+    """The default decoder (one prefill per distinct context, a plain decode loop) against `model.generate`."""
+    model, processor = tiny
+    fast = LocalEngine(model, processor, max_images_in_context=1)
+    reference = LocalEngine(model, processor, max_images_in_context=1, decoder="transformers")
+    convs = [_conversation(1), _conversation(2), _conversation(1), _conversation(3)]  # one context twice
+    greedy = [fast.generate(convs, 0.0, 6), reference.generate(convs, 0.0, 6)]
+    assert [c.token_ids for c in greedy[0]] == [c.token_ids for c in greedy[1]]
+    assert [c.text for c in greedy[0]] == [c.text for c in greedy[1]]
+    for ours, theirs in zip(*greedy):
+        assert torch.allclose(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-4)
+    # Whole greedy episodes, replies fed back turn by turn: the same play.
+    from shared.episodes import EpisodeSettings, run_episodes
+
+    settings = EpisodeSettings(max_turns=4, cell_px=CELL_PX, max_new_tokens=8)
+    mazes = [generate("maze_2d/easy", seed) for seed in range(4)]
+    plays = [[[t["text"] for t in e.turns] for e in run_episodes(engine, mazes, settings)] for engine in (fast, reference)]
+    assert plays[0] == plays[1]
+
+
+def test_shared_decoder_computes_each_distinct_state_once(tiny):
+    model, processor = tiny
+    engine = LocalEngine(model, processor, max_images_in_context=1)
+    widths = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: widths.append(tuple(kwargs["inputs_embeds"].shape[:2])), with_kwargs=True)
+    try:
+        convs = [_conversation(1)] * 6 + [_conversation(2)] * 2  # a GRPO group's first turns: 2 distinct contexts
+        sampled = engine.generate(convs, temperature=1.0, max_new_tokens=5, seed=11)
+    finally:
+        hook.remove()
+    assert widths[0][0] == 1, "the task prompt every context starts with: once"
+    assert widths[1][0] == 2, "then one prefill row per distinct context"
+    # Then one decode row per distinct state: (context, reply so far) of the episodes still writing.
+    states = {(0 if i < 6 else 1, tuple(c.token_ids[:1])) for i, c in enumerate(sampled) if len(c.token_ids) > 1}
+    assert widths[2] == (len(states), 1)
+    assert all(rows <= 8 and length == 1 for rows, length in widths[2:])
+    # The six copies are sampled independently (the untrained model's replies are near uniform), reproducibly.
+    assert len({tuple(c.token_ids) for c in sampled[:6]}) > 1
+    again = engine.generate(convs, temperature=1.0, max_new_tokens=5, seed=11)
+    assert [c.token_ids for c in again] == [c.token_ids for c in sampled]
+
+
+def test_shared_decoder_sees_changed_vision_weights(tiny):
+    """Cached picture features are dropped when a vision weight changes (as an optimizer step or a loaded
+    adapter would change it): the replies then follow the new weights, as `model.generate`'s do."""
+    model, processor = tiny
+    fast = LocalEngine(model, processor, max_images_in_context=1)
+    reference = LocalEngine(model, processor, max_images_in_context=1, decoder="transformers")
+    convs = [_conversation(1), _conversation(2)]
+    before = [c.token_ids for c in fast.generate(convs, 0.0, 6)]
+    assert fast._features, "the pictures' features were cached"
+    weight = model.model.visual.merger.linear_fc2.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(-3.0)  # in place, as optimizer.step() and load_state_dict() write
+        after = [c.token_ids for c in fast.generate(convs, 0.0, 6)]
+        assert after == [c.token_ids for c in reference.generate(convs, 0.0, 6)]
+        assert after != before, "the changed vision tower changes the replies"
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert [c.token_ids for c in fast.generate(convs, 0.0, 6)] == before

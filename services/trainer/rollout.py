@@ -6,7 +6,6 @@ reference's weight sync through the shared volume), then plays all of its episod
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import ray
@@ -49,13 +48,13 @@ def load_adapter_weights(model, adapter_dir: str | Path) -> None:
 class RolloutWorker:
     """Plays episodes with the base model + the current adapter; returns scored episodes and samples."""
 
-    def __init__(self, cfg_dict: dict, base_dir: str, threads: int | None = None):
+    def __init__(self, cfg_dict: dict, base_dir: str, threads: int):
         import torch
 
         from shared.config import RunConfig
         from shared.models.engine import LocalEngine
 
-        torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
+        torch.set_num_threads(threads)
         self.cfg = RunConfig.model_validate(cfg_dict)
         if self.cfg.rollout.engine == "vllm":
             from shared.models.vllm_engine import VllmEngine
@@ -79,27 +78,33 @@ class RolloutWorker:
 
     def rollout(self, seeds_env: list[tuple[str, int]], n_samples: int, seed: int) -> list[dict]:
         """Plays each maze n_samples times (sampling); returns per-episode results with training samples."""
-        from shared.episodes import EpisodeSettings, run_episodes
-        from shared.maze.core import generate
-        from shared.models.engine import encode_turn
+        return play_rollouts(self.engine, self.cfg, seeds_env, n_samples, seed)
 
-        settings = EpisodeSettings.from_config(self.cfg, temperature=self.cfg.rollout.temperature)
-        mazes = [generate(env_id, s) for env_id, s in seeds_env for _ in range(n_samples)]
-        episodes = run_episodes(self.engine, mazes, settings, keep_samples=True, seed=seed, batched=self.cfg.rollout.batched)
-        results = []
-        for index, episode in enumerate(episodes):
-            samples = [encode_turn(self.engine, messages, completion) for messages, completion in episode.samples]
-            results.append(
-                {
-                    "group": index // n_samples,
-                    "seed": episode.maze.seed,
-                    "reward": episode.reward(self.cfg.env.reward),
-                    "solved": episode.solved,
-                    "turns": len(episode.turns),
-                    "parse_failures": episode.parse_failures,
-                    "format_rate": episode.format_rate(),
-                    "samples": samples,
-                    "states": [tuple(p) for p in episode.episode.trace[: len(samples)]],  # position before each turn
-                }
-            )
-        return results
+
+def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int, seed: int) -> list[dict]:
+    """Plays each maze n_samples times at the rollout temperature, all episodes batched; returns per-episode
+    results with their training samples (what a rollout worker sends the learner)."""
+    from shared.episodes import EpisodeSettings, run_episodes
+    from shared.maze.core import generate
+    from shared.models.engine import encode_turn
+
+    settings = EpisodeSettings.from_config(cfg, temperature=cfg.rollout.temperature)
+    mazes = [generate(env_id, s) for env_id, s in seeds_env for _ in range(n_samples)]
+    episodes = run_episodes(engine, mazes, settings, keep_samples=True, seed=seed, batched=cfg.rollout.batched)
+    results = []
+    for index, episode in enumerate(episodes):
+        samples = [encode_turn(engine, messages, completion) for messages, completion in episode.samples]
+        results.append(
+            {
+                "group": index // n_samples,
+                "seed": episode.maze.seed,
+                "reward": episode.reward(cfg.env.reward),
+                "solved": episode.solved,
+                "turns": len(episode.turns),
+                "parse_failures": episode.parse_failures,
+                "format_rate": episode.format_rate(),
+                "samples": samples,
+                "states": [tuple(p) for p in episode.episode.trace[: len(samples)]],  # position before each turn
+            }
+        )
+    return results

@@ -47,7 +47,7 @@ class OpenAIEngine:
         self.name = model_name
         self.adapter = model_name.split(":", 1)[1] if ":" in model_name else None
         self.max_images = max_images_in_context
-        self.max_turns = max_turns_in_context
+        self.context_turns = max_turns_in_context
         self.retries, self.backoff_s = retries, backoff_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
@@ -61,7 +61,7 @@ class OpenAIEngine:
             raise ConnectionError(f"endpoint {self.base_url} is not reachable ({exc}); start it with `make serve`") from None
 
     def _one(self, messages: list[dict], temperature: float, max_new_tokens: int, seed: int | None) -> Completion:
-        body = {"model": self.name, "messages": to_openai_messages(limit_context(messages, self.max_images, self.max_turns)),
+        body = {"model": self.name, "messages": to_openai_messages(limit_context(messages, self.max_images, self.context_turns)),
                 "temperature": temperature, "max_tokens": max_new_tokens}
         if seed is not None:
             body["seed"] = seed

@@ -2,13 +2,24 @@
 
 The same code loads the tiny Qwen3-VL and Qwen3-VL-8B (`AutoProcessor` + `AutoModelForImageTextToText`);
 nothing here special-cases the tiny model.
+
+Generation has two decoders that give the same greedy replies. `shared` (the default) computes each distinct
+state once: the task prompt every context starts with is prefilled once per call, each distinct context once
+(a GRPO group's samples start from one maze and often walk together), each distinct picture is encoded once
+(until a vision weight changes), and decoding runs one row per distinct (context, reply so far) while every
+episode samples its own tokens. `transformers` calls `model.generate` on the whole batch: the reference the
+tests and `make bench` compare the fast path with.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -79,19 +90,31 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
     error: str | None = None  # set by remote engines when this one request failed after retries
+    prompt_ids: list[int] | None = None  # what a local engine's model read before replying (pictures expanded)
+
+
+Decoder = Literal["shared", "transformers"]
+PIXEL_CACHE_IMAGES = 4096  # distinct pictures whose processor output is kept (a few KB each for the tiny model)
+PROMPT_CACHE_ENTRIES = 8192  # distinct prompts whose token ids are kept
+MIN_SHARED_PREFIX = 16  # shorter common prefixes are prefilled with the rest
 
 
 class LocalEngine:
     """A model in this process that answers batches of conversations (the episode runner's engine)."""
 
     def __init__(self, model, processor, max_images_in_context: int = 1, name: str = "local", adapter: str | None = None,
-                 max_turns_in_context: int | None = None):
+                 max_turns_in_context: int | None = None, decoder: Decoder = "shared"):
         self.model = model
         self.processor = processor
         self.max_images = max_images_in_context
-        self.max_turns = max_turns_in_context
+        self.context_turns = max_turns_in_context
         self.name = name
         self.adapter = adapter
+        self.decoder = decoder
+        self._pixels: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._ids: OrderedDict[tuple, list[int]] = OrderedDict()
+        self._features: OrderedDict[str, tuple] = OrderedDict()  # picture -> its vision features, see _vision_cache
+        self._features_version = None
         tokenizer = processor.tokenizer
         self.stop_ids = [tokenizer.convert_tokens_to_ids(END_OF_TURN), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
         self.pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -125,16 +148,222 @@ class LocalEngine:
 
     def prompt(self, messages: list[dict]) -> tuple[str, list]:
         """Returns (prompt text, images) exactly as the model sees a conversation before it replies."""
-        messages = limit_context(messages, self.max_images, self.max_turns)
+        messages = limit_context(messages, self.max_images, self.context_turns)
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return text, images_of(messages)
 
-    @torch.no_grad()
     def generate(self, conversations: list[list[dict]], temperature: float = 0.0, max_new_tokens: int = 24,
                  seed: int | None = None) -> list[Completion]:
-        """Returns one Completion per conversation, generated as one left-padded batch."""
+        """Returns one Completion per conversation, generated as one batch (greedy when temperature is 0).
+
+        `seed` makes sampling reproducible for a given decoder."""
         if not conversations:
             return []
+        if self.decoder == "transformers":
+            return self._generate_transformers(conversations, temperature, max_new_tokens, seed)
+        return self._generate_shared(conversations, temperature, max_new_tokens, seed)
+
+    def _completion(self, ids: list[int], logprobs: list[float], prompt_ids: list[int]) -> Completion:
+        """Returns the Completion for one row of generated ids (cut after its first stop token)."""
+        kept = []
+        for token in ids:
+            kept.append(token)
+            if token in self.stop_ids:
+                break
+        text = self.processor.tokenizer.decode([t for t in kept if t not in self.stop_ids], skip_special_tokens=True)
+        # A reply cut off by max_new_tokens inside a multi-byte character ends in undecodable bytes (U+FFFD);
+        # drop them as vLLM's detokenizer does, so every engine hands the parser and the next turn's
+        # context the same text.
+        return Completion(text=text.rstrip("\ufffd"), token_ids=kept, logprobs=logprobs[: len(kept)],
+                          prompt_ids=prompt_ids)
+
+    # ---- the shared-prefix decoder -----------------------------------------------------------------
+
+    def _pixel_values(self, image) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """Returns (key, pixel_values, image_grid_thw) of one picture, computed once per distinct picture."""
+        key = hashlib.blake2b(image.tobytes(), digest_size=16, person=f"{image.mode}{image.size}".encode()[:16]).hexdigest()
+        hit = self._pixels.get(key)
+        if hit is None:
+            out = self.processor.image_processor(images=[image], return_tensors="pt")
+            hit = (key, out["pixel_values"], out["image_grid_thw"])
+            self._pixels[key] = hit
+            if len(self._pixels) > PIXEL_CACHE_IMAGES:
+                self._pixels.popitem(last=False)
+        else:
+            self._pixels.move_to_end(key)
+        return hit
+
+    @contextlib.contextmanager
+    def _vision_cache(self, keys: list[str]):
+        """Within this block the model encodes each distinct picture once: features of pictures seen before come
+        from a cache, which empties whenever a vision weight changes (an optimizer step or a loaded adapter
+        bumps the tensors' version counters). `keys` name the pictures of the next forward, in order."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        inner = base.model
+        version = (id(inner.visual), sum(p._version for p in inner.visual.parameters()))
+        if version != self._features_version:
+            self._features.clear()
+            self._features_version = version
+        encode = inner.get_image_features  # the model's own method
+
+        def cached(pixel_values, image_grid_thw=None, **kwargs):
+            from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+            patches = image_grid_thw.prod(-1).tolist()
+            missing = [i for i, key in enumerate(keys) if key not in self._features]
+            if missing:
+                rows = torch.split(pixel_values, patches)
+                out = encode(torch.cat([rows[i] for i in missing]), image_grid_thw[missing], **kwargs)
+                sizes = [len(features) for features in out.pooler_output]
+                deepstack = [torch.split(layer, sizes) for layer in out.deepstack_features]
+                for j, i in enumerate(missing):
+                    self._features[keys[i]] = (out.pooler_output[j], [layer[j] for layer in deepstack])
+                while len(self._features) > PIXEL_CACHE_IMAGES:
+                    self._features.popitem(last=False)
+            found = [self._features[key] for key in keys]
+            depth = len(found[0][1])
+            return BaseModelOutputWithDeepstackFeatures(
+                pooler_output=tuple(pooled for pooled, _ in found),
+                deepstack_features=[torch.cat([layers[d] for _, layers in found]) for d in range(depth)])
+
+        inner.get_image_features = cached  # this instance only, for this block only
+        try:
+            yield
+        finally:
+            del inner.get_image_features
+
+    def _prompt_ids(self, text: str, images: list) -> list[int]:
+        """Returns the token ids of a prompt (pictures expanded to their grids), remembered per distinct prompt."""
+        key = (text, tuple(img.size for img in images))
+        ids = self._ids.get(key)
+        if ids is None:
+            ids = self._ids[key] = text_ids(self.processor, text, images)
+            if len(self._ids) > PROMPT_CACHE_ENTRIES:
+                self._ids.popitem(last=False)
+        return ids
+
+    def _shared_prefix(self, rows: list[list[int]]) -> int:
+        """Returns how many leading tokens every row shares, ending before the first picture (0 if too few)."""
+        shortest = min(len(r) for r in rows)
+        length = 0
+        while length < shortest - 1 and all(r[length] == rows[0][length] for r in rows):
+            length += 1
+        vision_start = self.processor.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+        if vision_start in rows[0][:length]:
+            length = rows[0].index(vision_start)
+        return length if length >= MIN_SHARED_PREFIX else 0
+
+    def _prefix_kv(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Returns each layer's (keys, values) for a text-only prefix (one row; recomputed per call, since the
+        weights, LoRA included, may have changed since the last)."""
+        from transformers import DynamicCache
+
+        ids = torch.tensor([prefix], device=self.model.device)
+        positions = torch.arange(len(prefix), device=self.model.device).view(1, 1, -1).expand(3, 1, -1)
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1)
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def _prefill(self, prompts: list[tuple[str, list]]):
+        """Runs distinct prompts once; returns (last logits, KV cache, next position [3, rows], attention mask).
+
+        The text prefix every prompt shares (the task prompt) comes from the prefix cache; the rest of each
+        prompt follows it after padding, so every row ends on its last token."""
+        from transformers import DynamicCache
+
+        device = self.model.device
+        rows = [self._prompt_ids(text, images) for text, images in prompts]
+        shared = self._shared_prefix(rows)
+        width = max(len(r) for r in rows) - shared
+        input_ids = torch.full((len(rows), shared + width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for i, row in enumerate(rows):
+            input_ids[i, :shared] = torch.tensor(row[:shared], dtype=torch.long)
+            input_ids[i, shared + width - (len(row) - shared):] = torch.tensor(row[shared:], dtype=torch.long)
+            attention[i, :shared] = 1
+            attention[i, shared + width - (len(row) - shared):] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        mm_types = (input_ids == self.processor.image_token_id).long()
+        pictures = [self._pixel_values(image) for _, images in prompts for image in images]
+        vision = {}
+        if pictures:
+            vision = {"pixel_values": torch.cat([p for _, p, _ in pictures]).to(device),
+                      "image_grid_thw": torch.cat([g for _, _, g in pictures]).to(device)}
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # peft or plain
+        positions, _ = base.model.get_rope_index(input_ids, image_grid_thw=vision.get("image_grid_thw"),
+                                                 attention_mask=attention, mm_token_type_ids=mm_types)
+        cache = DynamicCache(config=self.model.config)
+        if shared:
+            for layer, (keys, values) in enumerate(self._prefix_kv(rows[0][:shared])):
+                cache.update(keys.expand(len(rows), -1, -1, -1).contiguous(),
+                             values.expand(len(rows), -1, -1, -1).contiguous(), layer)
+        with self._vision_cache([key for key, _, _ in pictures]):
+            out = self.model(input_ids=input_ids[:, shared:], attention_mask=attention,
+                             position_ids=positions[:, :, shared:], mm_token_type_ids=mm_types[:, shared:],
+                             past_key_values=cache, use_cache=True, logits_to_keep=1, **vision)
+        return out.logits[:, -1].float(), cache, positions[:, :, -1] + 1, attention
+
+    @torch.inference_mode()
+    def _generate_shared(self, conversations, temperature, max_new_tokens, seed) -> list[Completion]:
+        """Decodes distinct states only: episodes with the same context and the same reply so far are one state
+        (one cache row, one forward); each episode still samples its own next token from its state's logits."""
+        prompts = [self.prompt(messages) for messages in conversations]
+        keys, distinct, state = {}, [], []
+        for text, images in prompts:
+            key = (text, tuple(img.tobytes() for img in images))
+            if key not in keys:
+                keys[key] = len(distinct)
+                distinct.append((text, images))
+            state.append(keys[key])
+        logits, cache, next_position, attention = self._prefill(distinct)  # one row per state
+        device = self.model.device
+        state = torch.tensor(state, device=device)  # each episode's state
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed if seed is not None else torch.seed())
+        stop = torch.tensor(self.stop_ids, device=device)
+        finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        tokens, logprobs = [], []
+        scale = temperature if temperature > 0 else 1.0
+        for step in range(max_new_tokens):
+            mine = logits[state]  # [episodes, vocab]
+            scores = mine.clone()
+            if self.suppress_ids:
+                scores[:, self.suppress_ids] = -float("inf")
+            if temperature > 0:
+                chosen = torch.multinomial(torch.softmax(scores / temperature, dim=-1), 1, generator=generator).squeeze(1)
+            else:
+                chosen = scores.argmax(dim=-1)
+            chosen = torch.where(finished, torch.full_like(chosen, self.pad_id), chosen)
+            tokens.append(chosen)
+            logprobs.append(torch.log_softmax(mine / scale, dim=-1).gather(1, chosen[:, None]).squeeze(1))
+            finished |= torch.isin(chosen, stop)
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            # The next states: each distinct (state, token) of the episodes still writing, in order of first use.
+            children: dict[tuple[int, int], int] = {}
+            next_state = [children.setdefault(pair, len(children)) if not done else 0
+                          for pair, done in zip(zip(state.tolist(), chosen.tolist()), finished.tolist())]
+            parents = torch.tensor([parent for parent, _ in children], device=device)
+            fed = torch.tensor([token for _, token in children], device=device)
+            if len(children) != len(attention) or not torch.equal(parents, torch.arange(len(attention), device=device)):
+                cache.reorder_cache(parents)
+                attention, next_position = attention[parents], next_position[:, parents]
+            state = torch.tensor(next_state, device=device)
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            out = self.model(input_ids=fed[:, None], attention_mask=attention, position_ids=(next_position + step)[:, :, None],
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1].float()
+        ids = torch.stack(tokens, dim=1).tolist()
+        lps = torch.stack(logprobs, dim=1).tolist()
+        return [self._completion(row, row_lp, self._prompt_ids(*prompt)) for row, row_lp, prompt in zip(ids, lps, prompts)]
+
+    # ---- the reference decoder: transformers' generate on the whole batch ---------------------------
+
+    @torch.no_grad()
+    def _generate_transformers(self, conversations, temperature, max_new_tokens, seed) -> list[Completion]:
         texts, images = [], []
         for messages in conversations:
             text, imgs = self.prompt(messages)
@@ -153,20 +382,9 @@ class LocalEngine:
         scale = temperature if temperature > 0 else 1.0
         logprobs = torch.stack([torch.log_softmax(step.float() / scale, dim=-1) for step in out.logits], dim=1)
         token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        completions = []
-        for row, row_logprobs in zip(new_tokens.tolist(), token_logprobs.tolist()):
-            ids = []
-            for token in row:
-                ids.append(token)
-                if token in self.stop_ids:
-                    break
-            text = self.processor.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
-            # A reply cut off by max_new_tokens inside a multi-byte character ends in undecodable bytes (U+FFFD);
-            # drop them as vLLM's detokenizer does, so every engine hands the parser and the next turn's
-            # context the same text.
-            text = text.rstrip("\ufffd")
-            completions.append(Completion(text=text, token_ids=ids, logprobs=row_logprobs[: len(ids)]))
-        return completions
+        prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
+        return [self._completion(row, row_lp, ids)
+                for row, row_lp, ids in zip(new_tokens.tolist(), token_logprobs.tolist(), prompt_ids)]
 
 
 # ---- training tensors -----------------------------------------------------------------------------
@@ -235,8 +453,12 @@ def encode_conversation(processor, messages: list[dict], max_images: int, max_tu
 
 def encode_turn(engine: LocalEngine, messages: list[dict], completion: Completion) -> TrainingSample:
     """Returns what the engine saw before replying, plus its reply, as one training sample (RL)."""
-    text, images = engine.prompt(messages)
-    prompt_ids = text_ids(engine.processor, text, images)
+    if completion.prompt_ids is not None:  # a local engine says what its model read: only the pictures are needed
+        prompt_ids = completion.prompt_ids
+        images = images_of(limit_context(messages, engine.max_images, engine.context_turns))
+    else:
+        text, images = engine.prompt(messages)
+        prompt_ids = text_ids(engine.processor, text, images)
     return TrainingSample(
         input_ids=prompt_ids + completion.token_ids,
         response_mask=[0] * len(prompt_ids) + [1] * len(completion.token_ids),

@@ -67,7 +67,7 @@ class VllmEngine:
             raise FileNotFoundError(f"no vLLM environment at {python}: build it with `make vllm-env`")
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.max_images = cfg.model.max_images_in_context
-        self.max_turns = cfg.model.max_turns_in_context
+        self.context_turns = cfg.model.max_turns_in_context
         self.name, self.adapter, self._adapter_request = name, None, None
         tokenizer = self.processor.tokenizer
         self.stop_ids = [tokenizer.convert_tokens_to_ids(END_OF_TURN), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
@@ -89,7 +89,7 @@ class VllmEngine:
 
     def prompt(self, messages: list[dict]) -> tuple[str, list]:
         """Returns (prompt text, images) exactly as LocalEngine builds them."""
-        messages = limit_context(messages, self.max_images, self.max_turns)
+        messages = limit_context(messages, self.max_images, self.context_turns)
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return text, images_of(messages)
 
