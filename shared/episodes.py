@@ -22,7 +22,6 @@ from shared.models.chat import assistant_turn, user_turn
 class EpisodeSettings:
     max_turns: int = 15
     cell_px: int = 32
-    reward: str = "task"
     response_format: str = "plain"
     action_style: str = "tuple"
     prompt_style: str = "short"
@@ -34,7 +33,6 @@ class EpisodeSettings:
         return cls(
             max_turns=cfg.env.max_turns,
             cell_px=cfg.env.cell_px,
-            reward=cfg.env.reward,
             response_format=cfg.env.response_format,
             action_style=cfg.env.action_style,
             prompt_style=cfg.env.prompt_style,

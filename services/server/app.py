@@ -133,7 +133,6 @@ class MazeServer:
         # Every use or change of the peft model runs on this one thread: loads, evictions and batches
         # never interleave.
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self.first_use_s: dict[str, float] = {}
         # The LRU size comes from the config, so the multiplexed loader is made here (as a closure:
         # Ray keeps its LRU on the decorated function object, which a bound method cannot carry).
         async def load_adapter(key: str) -> AdapterHandle:
@@ -165,13 +164,11 @@ class MazeServer:
     async def _load_adapter(self, key: str) -> AdapterHandle:
         """Fetches one adapter version from S3 (verified against its manifest) and loads it beside the base model."""
         adapter_id, _, version = key.rpartition("@")
-        started = time.perf_counter()
         loop = asyncio.get_running_loop()
         manifest = await loop.run_in_executor(None, self.store.manifest, adapter_id)
         local = await loop.run_in_executor(None, self.store.fetch, adapter_id, manifest)
         name = AdapterVersion(adapter_id, local.name, "", 0.0).key  # the version the files really are
         await loop.run_in_executor(self.model_thread, self._attach, name, str(local))
-        self.first_use_s.setdefault(adapter_id, round(time.perf_counter() - started, 3))
         return AdapterHandle(self, name)
 
     def _attach(self, name: str, folder: str) -> None:
