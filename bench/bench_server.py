@@ -82,7 +82,7 @@ def _percentile(values, q):
 
 
 def run():
-    from services.exporter.local_s3 import ensure_bucket, start_server
+    from shared.local_s3 import ensure_bucket, start_server
 
     shared = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     cfg = load_config(None, [f"storage.shared_dir={shared}"], environ={})

@@ -51,7 +51,7 @@ def tiny(tiny_model_dir):
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3-compatible HTTP server (moto in server mode) on loopback, for the whole session."""
-    from services.exporter.local_s3 import start_server
+    from shared.local_s3 import start_server
 
     proc, url = start_server()
     yield url

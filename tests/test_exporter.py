@@ -154,3 +154,18 @@ def test_skyrl_layout_exports_are_read_unchanged(exported_run, s3_endpoint, buck
     assert "global_step_40" in proc.stdout  # still being written: skipped with a warning
     verify_manifest(shared / "runs" / "skyrl-run" / "exports" / "global_step_20" / "policy")
     assert AdapterStore(bucket, s3_endpoint).list() == ["skyrl-run-step20"]
+
+
+def test_local_s3_endpoint_of_another_host_is_neither_used_nor_stopped(tmp_path):
+    """endpoint.json lives on the shared volume; its process id means something only on the host that wrote it."""
+    from shared import local_s3
+
+    path = local_s3.state_file(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"endpoint_url": "http://127.0.0.1:9", "s3_uri": "s3://maze-grpo/local",
+                                "host": "another-host", "pid": os.getpid()}))
+    assert local_s3.running_endpoint(tmp_path) is None
+    proc = subprocess.run([sys.executable, "-m", "services.exporter", "s3-down"], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "SHARED_DIR": str(tmp_path)}, timeout=120)
+    assert proc.returncode != 0 and "started on host 'another-host': stop it there" in proc.stderr
+    assert "Traceback" not in proc.stderr and path.exists()  # this process was not signalled, the record kept

@@ -15,30 +15,10 @@ import argparse
 import sys
 import time
 
-from shared.config import CommandLineParser, ConfigError, RunConfig, load_config
-from shared.storage import check_adapter_id, split_s3_uri
+from shared.config import CommandLineParser, ConfigError, load_config
+from shared.storage import check_adapter_id
 
 COMMANDS = ("export", "list", "s3-up", "s3-down")
-
-
-def resolve_s3(cfg: RunConfig, log=print) -> RunConfig:
-    """Returns cfg with an S3 endpoint: S3_URI as configured, or a local one on loopback (started when needed)."""
-    from services.exporter import local_s3
-
-    if cfg.storage.s3_uri:
-        if cfg.storage.aws_endpoint_url:
-            # An S3-compatible server of one's own (the compose stack's starts empty): make sure the bucket exists.
-            local_s3.ensure_bucket(cfg.storage.aws_endpoint_url, split_s3_uri(cfg.storage.s3_uri)[0])
-        return cfg
-
-    if cfg.storage.aws_endpoint_url:
-        update = {"s3_uri": f"s3://{local_s3.DEFAULT_BUCKET}/local"}
-        local_s3.ensure_bucket(cfg.storage.aws_endpoint_url, local_s3.DEFAULT_BUCKET)
-    else:
-        state = local_s3.up(cfg.shared_path())
-        log(f"local S3 endpoint: {state['endpoint_url']} ({state['s3_uri']}); stop it with make s3-down")
-        update = {"s3_uri": state["s3_uri"], "aws_endpoint_url": state["endpoint_url"]}
-    return cfg.model_copy(update={"storage": cfg.storage.model_copy(update=update)})
 
 
 def print_table(rows: list[dict]) -> None:
@@ -83,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from services.exporter import local_s3
     from services.exporter.export import Exporter, adapter_table
+    from shared import local_s3
     from shared.adapters import AdapterStore
 
     if args.command == "s3-up":
@@ -92,10 +72,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"local S3 endpoint up: AWS_ENDPOINT_URL={state['endpoint_url']} S3_URI={state['s3_uri']}")
         return
     if args.command == "s3-down":
-        print("local S3 endpoint stopped" if local_s3.down(cfg.shared_path()) else "no local S3 endpoint was running")
+        try:
+            stopped = local_s3.down(cfg.shared_path())
+        except RuntimeError as exc:
+            sys.exit(f"error: {exc}")
+        print("local S3 endpoint stopped" if stopped else "no local S3 endpoint was running")
         return
     try:
-        cfg = resolve_s3(cfg)
+        cfg = local_s3.resolve_s3(cfg)
         store = AdapterStore.from_config(cfg)
         if args.command == "list":
             print_table(adapter_table(store))

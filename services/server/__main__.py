@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
         enter_loopback(keep_port=cfg.server.port if host not in ("127.0.0.1", "localhost", "::1") else None)
     if not cfg.storage.s3_uri:
-        from services.exporter.__main__ import resolve_s3
+        from shared.local_s3 import resolve_s3
 
         cfg = resolve_s3(cfg)
     from shared.storage import SharedVolume

@@ -491,18 +491,18 @@ def compare_evals(before_dir: Path, after_dir: Path) -> dict:
 def run_summary(result: dict) -> str:
     """Returns the end-of-run block: warm start vs final per eval set, the ceiling, the curve, the wall time."""
     def rate(end: dict) -> str:
-        return (f"{end['solved']:>3}/{end['total']:<3} {100 * end['solved'] / end['total']:5.1f}% "
-                f"[{100 * end['ci_low']:4.1f}-{100 * end['ci_high']:4.1f}]")
+        return (f"{end['solved']}/{end['total']} {100 * end['solved'] / end['total']:.1f}% "
+                f"[{100 * end['ci_low']:.1f}-{100 * end['ci_high']:.1f}]")
 
-    minutes = result["wall_s"] / 60
-    lines = [f"== {result['run_id']}: {result['steps']} GRPO steps, {minutes:.1f} min wall ==",
-             f"{'':14} {'warm start (95% CI)':24} {'final (95% CI)':24} {'change, paired 95% CI':28} ceiling"]
+    table = [["", "warm start (95% CI)", "final (95% CI)", "change (paired 95% CI, McNemar p)", "ceiling"]]
     for name, c in result["comparisons"].items():
         p = c["paired"]
-        change = (f"{100 * p['difference']:+5.1f} pts [{100 * p['ci_low']:+.1f}, {100 * p['ci_high']:+.1f}] "
-                  f"p={p['p_value']:.2g}")
-        lines.append(f"{name:14} {rate(c['before']):24} {rate(c['after']):24} {change:28} "
-                     f"{c['after']['oracle_solved']}/{c['after']['total']}")
+        table.append([name, rate(c["before"]), rate(c["after"]),
+                      f"{100 * p['difference']:+.1f} pts [{100 * p['ci_low']:+.1f}, {100 * p['ci_high']:+.1f}] "
+                      f"p={p['p_value']:.2g}", f"{c['after']['oracle_solved']}/{c['after']['total']}"])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = [f"== {result['run_id']}: {result['steps']} GRPO steps, {result['wall_s'] / 60:.1f} min wall =="]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table]
     curve = " -> ".join(f"{s}: {100 * r:.1f}%" for s, r in result["curve"].items())
     lines.append(f"held-out curve (step: solve rate): {curve}")
     lines.append(f"data: sft seeds {result['sft_seeds'] or 'n/a'}, rl seeds {result['rl_seeds'] or 'n/a'}")

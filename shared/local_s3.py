@@ -1,7 +1,9 @@
 """A local S3-compatible endpoint on loopback (moto in server mode), for when no AWS endpoint is given.
 
-`make s3-up` starts it in the background and records its URL in $SHARED_DIR/s3/endpoint.json;
-`make s3-down` stops it. moto keeps objects in memory: they last as long as the server runs.
+`make s3-up` starts it in the background and records its URL, host and process in
+$SHARED_DIR/s3/endpoint.json; `make s3-down` stops it, on the host that started it. moto keeps objects in
+memory: they last as long as the server runs. `resolve_s3` gives any service (exporter, server, benches,
+tests) a config with an S3 endpoint, starting this one when nothing else is configured.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from shared.net import wait_for_http
+from shared.storage import split_s3_uri
 
 DEFAULT_BUCKET = "maze-grpo"
 
@@ -61,6 +64,8 @@ def running_endpoint(shared_dir: Path) -> dict | None:
     if not path.exists():
         return None
     state = json.loads(path.read_text())
+    if state.get("host") != socket.gethostname():
+        return None  # another host's loopback: not reachable from here, and its process id means nothing here
     try:
         os.kill(state["pid"], 0)
         httpx.get(state["endpoint_url"], timeout=2.0)
@@ -76,7 +81,7 @@ def up(shared_dir: Path, bucket: str = DEFAULT_BUCKET) -> dict:
         path = state_file(shared_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         proc, url = start_server(log_path=path.parent / "moto.log")
-        state = {"endpoint_url": url, "s3_uri": f"s3://{bucket}/local", "pid": proc.pid}
+        state = {"endpoint_url": url, "s3_uri": f"s3://{bucket}/local", "host": socket.gethostname(), "pid": proc.pid}
         path.write_text(json.dumps(state))
     ensure_bucket(state["endpoint_url"], state["s3_uri"][5:].split("/")[0])
     return state
@@ -88,9 +93,29 @@ def down(shared_dir: Path) -> bool:
     if not path.exists():
         return False
     state = json.loads(path.read_text())
+    if state.get("host") != socket.gethostname():
+        raise RuntimeError(f"the local S3 endpoint in {path} was started on host {state.get('host')!r}: "
+                           "stop it there (make s3-down)")
     path.unlink()
     try:
         os.killpg(state["pid"], signal.SIGTERM)
         return True
     except OSError:
         return False
+
+
+def resolve_s3(cfg, log=print):
+    """Returns cfg with an S3 endpoint: S3_URI as configured, or a local one on loopback (started when needed)."""
+    if cfg.storage.s3_uri:
+        if cfg.storage.aws_endpoint_url:
+            # An S3-compatible server of one's own (the compose stack's starts empty): make sure the bucket exists.
+            ensure_bucket(cfg.storage.aws_endpoint_url, split_s3_uri(cfg.storage.s3_uri)[0])
+        return cfg
+    if cfg.storage.aws_endpoint_url:
+        update = {"s3_uri": f"s3://{DEFAULT_BUCKET}/local"}
+        ensure_bucket(cfg.storage.aws_endpoint_url, DEFAULT_BUCKET)
+    else:
+        state = up(cfg.shared_path())
+        log(f"local S3 endpoint: {state['endpoint_url']} ({state['s3_uri']}); stop it with make s3-down")
+        update = {"s3_uri": state["s3_uri"], "aws_endpoint_url": state["endpoint_url"]}
+    return cfg.model_copy(update={"storage": cfg.storage.model_copy(update=update)})
