@@ -248,3 +248,46 @@ def test_shared_decoder_sees_changed_vision_weights(tiny):
         with torch.no_grad():
             weight.copy_(saved)
     assert [c.token_ids for c in fast.generate(convs, 0.0, 6)] == before
+
+
+def test_shared_decoder_caches_no_vision_features_under_a_vision_lora(tiny):
+    """A LoRA on the vision tower can be disabled or switched without writing a weight: nothing is cached."""
+    from peft import LoraConfig, get_peft_model
+
+    from shared.models.engine import lora_target_regex
+
+    model, processor = tiny
+    wrapped = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False,
+                                               target_modules=lora_target_regex(["qkv", "q_proj"], False)))
+    try:
+        wrapped.eval()
+        fast = LocalEngine(wrapped, processor, max_images_in_context=1)
+        reference = LocalEngine(wrapped, processor, max_images_in_context=1, decoder="transformers")
+        convs = [_conversation(1), _conversation(2)]
+        on = [c.token_ids for c in fast.generate(convs, 0.0, 6)]
+        with wrapped.disable_adapter():
+            off = [c.token_ids for c in fast.generate(convs, 0.0, 6)]
+            assert off == [c.token_ids for c in reference.generate(convs, 0.0, 6)]
+        assert on == [c.token_ids for c in reference.generate(convs, 0.0, 6)]
+        assert not fast._features
+    finally:
+        wrapped.unload()  # the session's tiny model goes back as it was
+
+
+def test_shared_decoder_cache_limit_never_drops_a_picture_in_use(tiny, monkeypatch):
+    """Found by a 512-maze eval: a full feature cache evicted pictures the same call was about to use."""
+    from shared.models import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PIXEL_CACHE_IMAGES", 2)
+    model, processor = tiny
+    fast = LocalEngine(model, processor, max_images_in_context=1)
+    reference = LocalEngine(model, processor, max_images_in_context=1, decoder="transformers")
+
+    def first_turn(seed):
+        maze = generate("maze_2d/easy", seed)
+        return [user_turn(task_prompt(maze), Image.fromarray(render_rgb(maze, CELL_PX)))]
+
+    fast.generate([first_turn(1), first_turn(2)], 0.0, 4)  # pictures 1 and 2 cached
+    convs = [first_turn(1), first_turn(3), first_turn(4)]  # 1 is the oldest entry: a hit that must survive
+    assert [c.token_ids for c in fast.generate(convs, 0.0, 4)] == [c.token_ids for c in reference.generate(convs, 0.0, 4)]
+    assert len(fast._features) == 2

@@ -484,7 +484,8 @@ def compare_evals(before_dir: Path, after_dir: Path) -> dict:
         summary = json.loads((folder / "summary.json").read_text())
         low, high = wilson_interval(sum(solved.values()), len(solved))
         ends[name] = {"step": summary.get("step"), "solved": sum(solved.values()), "total": len(solved),
-                      "ci_low": low, "ci_high": high, "oracle_solved": summary["oracle_solved"]}
+                      "ci_low": low, "ci_high": high, "oracle_solved": summary["oracle_solved"],
+                      "errors": summary.get("errors", 0), "folder": str(folder)}
     return {**ends, "paired": paired_comparison(before, after)}
 
 
@@ -505,5 +506,10 @@ def run_summary(result: dict) -> str:
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table]
     curve = " -> ".join(f"{s}: {100 * r:.1f}%" for s, r in result["curve"].items())
     lines.append(f"held-out curve (step: solve rate): {curve}")
+    for c in result["comparisons"].values():
+        for end in (c["before"], c["after"]):
+            if end["errors"]:
+                lines.append(f"WARNING: {end['errors']} mazes could not be scored in {end['folder']} (counted as "
+                             "failed; see its episodes.jsonl): delete the folder and run again to re-score")
     lines.append(f"data: sft seeds {result['sft_seeds'] or 'n/a'}, rl seeds {result['rl_seeds'] or 'n/a'}")
     return "\n".join(lines)

@@ -196,10 +196,14 @@ class LocalEngine:
     @contextlib.contextmanager
     def _vision_cache(self, keys: list[str]):
         """Within this block the model encodes each distinct picture once: features of pictures seen before come
-        from a cache, which empties whenever a vision weight changes (an optimizer step or a loaded adapter
-        bumps the tensors' version counters). `keys` name the pictures of the next forward, in order."""
+        from a cache, which empties whenever a vision weight changes (an optimizer step or a loaded state dict
+        bumps the tensors' version counters). Off when a LoRA sits on the vision tower (adapters can be
+        switched or disabled without a write). `keys` name the pictures of the next forward, in order."""
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         inner = base.model
+        if any("lora_" in name for name, _ in inner.visual.named_parameters()):
+            yield  # a LoRA on the vision tower can be switched or disabled without a write: no cache
+            return
         version = (id(inner.visual), sum(p._version for p in inner.visual.parameters()))
         if version != self._features_version:
             self._features.clear()
@@ -210,17 +214,20 @@ class LocalEngine:
             from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
             patches = image_grid_thw.prod(-1).tolist()
-            missing = [i for i, key in enumerate(keys) if key not in self._features]
+            found = [self._features.get(key) for key in keys]
+            missing = [i for i, hit in enumerate(found) if hit is None]
             if missing:
                 rows = torch.split(pixel_values, patches)
                 out = encode(torch.cat([rows[i] for i in missing]), image_grid_thw[missing], **kwargs)
                 sizes = [len(features) for features in out.pooler_output]
                 deepstack = [torch.split(layer, sizes) for layer in out.deepstack_features]
                 for j, i in enumerate(missing):
-                    self._features[keys[i]] = (out.pooler_output[j], [layer[j] for layer in deepstack])
-                while len(self._features) > PIXEL_CACHE_IMAGES:
-                    self._features.popitem(last=False)
-            found = [self._features[key] for key in keys]
+                    found[i] = (out.pooler_output[j], [layer[j] for layer in deepstack])
+            for key, hit in zip(keys, found):  # least recently used last: this call's pictures are the newest
+                self._features[key] = hit
+                self._features.move_to_end(key)
+            while len(self._features) > PIXEL_CACHE_IMAGES:
+                self._features.popitem(last=False)
             depth = len(found[0][1])
             return BaseModelOutputWithDeepstackFeatures(
                 pooler_output=tuple(pooled for pooled, _ in found),
