@@ -1,5 +1,6 @@
 """One config schema: round trip, overrides, and every error path names the key."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,5 +96,16 @@ def test_cli_exits_non_zero_with_one_line():
 
 @pytest.mark.parametrize("service", ["trainer", "evaluator", "exporter", "server", "dashboards"])
 def test_every_service_has_help(service):
+    """--help names the command, says what the service does (its docstring) and explains every option."""
+    import importlib
+
     proc = subprocess.run([sys.executable, "-m", f"services.{service}", "--help"], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0 and "usage" in proc.stdout
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m services.{service}")
+    summary = importlib.import_module(f"services.{service}.__main__").__doc__.strip().splitlines()[0]
+    assert " ".join(summary.split()[:8]) in " ".join(proc.stdout.split())
+    options = re.findall(r"^  (--[\w-]+)(.*)$", proc.stdout, re.MULTILINE)
+    assert options, proc.stdout
+    for option, rest in options:  # argparse puts the help after the metavar, or on the next line
+        text = re.sub(r"^ ([A-Z_]+|\{[^}]*\})( [A-Z_]+)*", "", rest).strip()
+        after = proc.stdout.split(option + rest, 1)[1].splitlines()[1:2]
+        assert text or (after and after[0].startswith(" " * 10)), f"{option} has no help text"

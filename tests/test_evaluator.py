@@ -173,3 +173,47 @@ def test_parity_of_two_independent_in_process_engines(exported_run, tiny_cfg, ti
     settings = EpisodeSettings(max_turns=3, cell_px=16, max_new_tokens=6)
     ea, eb = run_episodes(a, mazes, settings), run_episodes(b, mazes, settings, batched=False)
     assert [[t["text"] for t in e.turns] for e in ea] == [[t["text"] for t in e.turns] for e in eb]
+
+
+class _ScriptedPlayer:
+    """Stands in for a model: each episode (known by its conversation) replies from its own script."""
+
+    def __init__(self, scripts: list[list[str]]):
+        self.scripts = [iter(script) for script in scripts]
+        self.episode_of: dict[int, int] = {}
+
+    def generate(self, conversations, temperature, max_new_tokens, seed):
+        from shared.models.engine import Completion
+
+        replies = []
+        for messages in conversations:
+            index = self.episode_of.setdefault(id(messages), len(self.episode_of))
+            replies.append(Completion(text=next(self.scripts[index], "('stop', 'stop')"), token_ids=[]))
+        return replies
+
+
+def test_summary_names_why_each_unsolved_maze_failed(tmp_path):
+    """Solved, into a wall, unreadable, and beyond the ceiling: each maze's failure is named and counted."""
+    from shared.evaluation import evaluate
+    from shared.maze.actions import format_action
+    from shared.maze.core import MOVES, optimal_action_count, solve
+    from shared.maze.dataset import EvalSet
+
+    mazes = [generate("maze_2d/easy", seed) for seed in range(64)]
+    solvable = [m for m in mazes if optimal_action_count(m) <= 15][:3]
+    beyond = next(m for m in mazes if optimal_action_count(m) > 15)
+    first, walled, garbled = solvable
+    into_wall = next(d for d, (di, dj) in MOVES.items()
+                     if walled.maze_map[walled.agent[0] + di][walled.agent[1] + dj] == 1)
+    scripts = [
+        [format_action(("move", d)) for d in solve(first)] + ["('stop', 'stop')"],   # solved
+        [format_action(("move", into_wall))] * 3 + [format_action(("move", d)) for d in solve(walled)],  # 3 turns lost
+        ["go left please"] * 15,                                                      # never readable
+        [format_action(("move", d)) for d in solve(beyond)],                          # no agent solves it in 15
+    ]
+    eval_set = EvalSet("maze_2d/easy", [m.seed for m in (first, walled, garbled, beyond)], 15)
+    summary, episodes = evaluate(_ScriptedPlayer(scripts), eval_set, EpisodeSettings(max_turns=15, cell_px=16),
+                                 tmp_path, model="scripted")
+    assert [e.solved for e in episodes] == [True, False, False, False]
+    assert summary["failures"] == {"wall": 1, "unparsed": 1, "beyond_ceiling": 1}
+    assert (summary["solved"], summary["oracle_solved"], summary["parse_failures"]) == (1, 3, 15)

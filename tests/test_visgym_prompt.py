@@ -49,7 +49,7 @@ class ScriptedEngine:
 
 
 def _run(env_id: str, seed: int, replies: list[str]):
-    settings = EpisodeSettings(max_turns=15, cell_px=25, reward="task_format", response_format="tagged",
+    settings = EpisodeSettings(max_turns=15, cell_px=25, response_format="tagged",
                                prompt_style="visgym")
     engine = ScriptedEngine(replies)
     (episode,) = run_episodes(engine, [generate(env_id, seed)], settings)
