@@ -11,22 +11,26 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from shared.maze.actions import score_episode, turn_is_well_formatted
-from shared.maze.core import Maze, MazeEpisode, first_mistake, optimal_action_count
+from shared.config import EnvConfig, RolloutConfig
+from shared.maze.core import Maze, first_mistake, optimal_action_count
 from shared.maze.prompt import PromptStyle
-from shared.maze.render import render_rgb
+from shared.maze.session import MazeSession
 from shared.models.chat import assistant_turn, user_turn
+
+_ENV, _ROLLOUT = EnvConfig(), RolloutConfig()
 
 
 @dataclass
 class EpisodeSettings:
-    max_turns: int = 15
-    cell_px: int = 32
-    response_format: str = "plain"
-    action_style: str = "tuple"
-    prompt_style: str = "short"
-    temperature: float = 0.0
-    max_new_tokens: int = 24
+    """How episodes are played; every default is the config schema's."""
+
+    max_turns: int = _ENV.max_turns
+    cell_px: int = _ENV.cell_px
+    response_format: str = _ENV.response_format
+    action_style: str = _ENV.action_style
+    prompt_style: str = _ENV.prompt_style
+    temperature: float = _ROLLOUT.eval_temperature
+    max_new_tokens: int = _ROLLOUT.max_new_tokens
 
     @classmethod
     def from_config(cls, cfg, temperature: float | None = None) -> EpisodeSettings:
@@ -44,31 +48,43 @@ class EpisodeSettings:
         """Returns the texts this run's conversations use."""
         return PromptStyle(self.prompt_style, self.response_format, self.action_style)
 
+    def session(self, maze: Maze) -> MazeSession:
+        """Returns a fresh episode of `maze` under these settings."""
+        return MazeSession(maze, self.max_turns, self.cell_px, self.style())
+
 
 @dataclass
 class Episode:
     """One played maze: the turns as the model saw and wrote them, and how it ended."""
 
-    maze: Maze
-    episode: MazeEpisode
+    session: MazeSession
     messages: list[dict]
     turns: list[dict] = field(default_factory=list)  # model text, parsed action, feedback, position
     samples: list = field(default_factory=list)  # (context messages, Completion) per turn, for training
     error: str | None = None  # set when the engine failed for this maze (scored as failed)
 
     @property
+    def maze(self) -> Maze:
+        return self.session.maze
+
+    @property
+    def episode(self):
+        """The maze state (position, trace, turns used)."""
+        return self.session.episode
+
+    @property
     def solved(self) -> bool:
-        return self.episode.solved
+        return self.session.solved
 
     @property
     def parse_failures(self) -> int:
         return sum(turn["action"] is None for turn in self.turns)
 
     def reward(self, mode: str) -> float:
-        return score_episode(self.episode, [t["text"] for t in self.turns], mode)
+        return self.session.reward(mode)
 
     def format_rate(self) -> float:
-        return sum(turn_is_well_formatted(t["text"]) for t in self.turns) / max(len(self.turns), 1)
+        return self.session.format_rate()
 
     def record(self) -> dict:
         """Returns the JSON line `episodes.jsonl` holds for this episode."""
@@ -86,25 +102,21 @@ class Episode:
         }
 
 
-def _image(maze: Maze, cell_px: int) -> Image.Image:
-    return Image.fromarray(render_rgb(maze, cell_px))
-
-
 def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samples: bool = False,
                  seed: int | None = None, progress=None, batched: bool = True) -> list[Episode]:
     """Plays every maze to the end; returns the episodes in input order.
 
-    `batched=False` sends one conversation per engine call (the baseline the benchmark compares to).
+    `batched=False` sends one conversation per engine call (one episode at a time).
     `seed` makes sampling reproducible: turn t of this call samples with seed + t.
     """
     episodes = []
-    style = settings.style()
     for maze in mazes:
-        first = user_turn(style.task_prompt(maze), _image(maze, settings.cell_px))
-        episodes.append(Episode(maze=maze, episode=MazeEpisode(maze, settings.max_turns), messages=[first]))
+        session = settings.session(maze)
+        text, picture = session.start()
+        episodes.append(Episode(session=session, messages=[user_turn(text, Image.fromarray(picture))]))
     turn = 0
     while True:
-        live = [e for e in episodes if not e.episode.done]
+        live = [e for e in episodes if not e.session.done]
         if not live:
             break
         groups = [live] if batched else [[e] for e in live]
@@ -122,20 +134,19 @@ def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samp
                     e.error = completion.error  # this maze is scored failed, with the reason kept
                     e.episode.done = True
                     continue
-                _apply(e, completion, settings, style, keep_samples)
+                _apply(e, completion, keep_samples)
         turn += 1
         if progress is not None:
-            progress(turn, sum(e.episode.done for e in episodes), len(episodes))
+            progress(turn, sum(e.session.done for e in episodes), len(episodes))
     return episodes
 
 
-def _apply(e: Episode, completion, settings: EpisodeSettings, style: PromptStyle, keep_samples: bool) -> None:
+def _apply(e: Episode, completion, keep_samples: bool) -> None:
     if keep_samples:
         e.samples.append((list(e.messages), completion))
-    action, _, feedback = style.play_turn(e.episode, completion.text)  # None (unreadable) costs a turn
-    e.turns.append({"text": completion.text, "action": list(action) if action else None, "feedback": feedback,
-                    "position": list(e.episode.position)})
+    result = e.session.step(completion.text)
+    e.turns.append({"text": result.text, "action": list(result.action) if result.action else None,
+                    "feedback": result.feedback, "position": list(result.position)})
     e.messages.append(assistant_turn(completion.text))
-    if not e.episode.done:
-        view = e.episode.view()
-        e.messages.append(user_turn(feedback, _image(view, settings.cell_px)))
+    if not result.done:
+        e.messages.append(user_turn(result.feedback, Image.fromarray(result.picture)))

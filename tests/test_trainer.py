@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +20,9 @@ from services.trainer.grpo import (
     ppo_clip_loss,
     step_advantages,
 )
+from services.trainer.rollout import MazeGroup, PlayedEpisode
 from shared.config import AlgorithmConfig
+from shared.models.engine import TrainingSample
 from shared.storage import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,21 +83,24 @@ def test_branch_advantages_credit_only_the_turns_after_which_outcomes_differ():
     assert branch_advantages([0.0, 0.0], [["A", "B"], ["A", "B", "B"]]) == [[0.0, 0.0], [0.0, 0.0, 0.0]]
 
 
-def _played(turns: int, states: list) -> dict:
-    return {"samples": [SimpleNamespace(advantage=None) for _ in range(turns)], "states": states}
+def _played(turns: int, states: list, reward: float) -> PlayedEpisode:
+    samples = [TrainingSample(input_ids=[t], response_mask=[1], images=[]) for t in range(turns)]
+    return PlayedEpisode(reward=reward, solved=reward == 1.0, turns=turns, parse_failures=0, format_rate=1.0,
+                         samples=samples, states=states)
 
 
 def test_credit_turns_grpo_and_gigpo():
     # Group 0: both solved, one with a detour through C (3 turns vs 2). Group 1: one of two solved.
-    episodes = [_played(2, ["A", "B"]), _played(3, ["A", "C", "A"]), _played(1, ["A"]), _played(2, ["A", "D"])]
-    rewards = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    groups_played = [MazeGroup("maze_2d/easy", 1, [_played(2, ["A", "B"], 1.0), _played(3, ["A", "C", "A"], 1.0)]),
+                     MazeGroup("maze_2d/easy", 2, [_played(1, ["A"], 1.0), _played(2, ["A", "D"], 0.0)])]
     grpo = AlgorithmConfig(std_normalize=False)
-    samples, groups = credit_turns(episodes, rewards, grpo)
+    samples, groups = credit_turns(groups_played, grpo)
     assert len(samples) == 8
+    assert all(s.advantage == 0.0 for g in groups_played for e in g.episodes for s in e.samples), "rollouts untouched"
     assert [[s.advantage for s in g] for g in groups] == [[0.5, -0.5, -0.5]], "the all-solved group has no signal"
 
     gigpo = AlgorithmConfig(std_normalize=False, advantage_estimator="gigpo", gamma=0.5, step_advantage_weight=2.0)
-    samples, groups = credit_turns(episodes, rewards, gigpo)
+    samples, groups = credit_turns(groups_played, gigpo)
     # Group 0: episode advantages 0; from A the returns were 0.5 (ep 0) and 0.25, 1.0 (ep 1), mean 7/12.
     assert [s.advantage for s in groups[0]] == pytest.approx([2 * (0.5 - 7 / 12), 2 * (0.25 - 7 / 12), 2 * (1.0 - 7 / 12)])
     # Group 1: from A the returns were 1.0 and 0.5 * 0: step advantages +-0.5 on top of GRPO's +-0.5.
@@ -104,9 +108,10 @@ def test_credit_turns_grpo_and_gigpo():
 
 
 def test_credit_turns_branch_keeps_only_turns_with_advantage():
-    episodes = [_played(3, ["A", "B", "D"]), _played(3, ["A", "B", "E"]), _played(2, ["A", "C"]), _played(3, ["A", "B", "D"])]
-    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
-    samples, groups = credit_turns(episodes, rewards, AlgorithmConfig(std_normalize=False, advantage_estimator="branch"))
+    played = [_played(3, ["A", "B", "D"], 1.0), _played(3, ["A", "B", "E"], 0.0), _played(2, ["A", "C"], 0.0),
+              _played(3, ["A", "B", "D"], 1.0)]
+    samples, groups = credit_turns([MazeGroup("maze_2d/easy", 1, played)],
+                                   AlgorithmConfig(std_normalize=False, advantage_estimator="branch"))
     assert len(samples) == 11
     assert [s.advantage for s in groups[0]] == pytest.approx([1 / 6, 1 / 3, 1 / 6, -2 / 3, -1 / 2, 1 / 6, 1 / 3])
 

@@ -10,6 +10,7 @@ complete checkpoint, reproducing the uninterrupted run (rollout seeds depend onl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from services.trainer.rollout import RolloutWorker, build_policy, load_adapter_weights
+from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy, load_adapter_weights
 from services.trainer.sft import ensure_sft
 from shared.config import RunConfig, dump_config
 from shared.episodes import EpisodeSettings
@@ -37,7 +38,7 @@ from shared.evaluation import (
     wilson_interval,
 )
 from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
-from shared.models.engine import LocalEngine, collate, token_logprobs
+from shared.models.engine import LocalEngine, TrainingSample, collate, token_logprobs
 from shared.storage import (
     LATEST_STEP_FILE,
     SharedVolume,
@@ -116,38 +117,35 @@ def branch_advantages(rewards: list[float], states: list[list], std_normalize: b
     return out
 
 
-def credit_turns(episodes: list[dict], rewards: torch.Tensor, algo) -> tuple[list, list[list]]:
-    """Sets each turn's advantage; returns (every sample, the samples of each group that carries signal).
+def credit_turns(groups: list[MazeGroup], algo) -> tuple[list[TrainingSample], list[list[TrainingSample]]]:
+    """Returns (every turn's sample with its advantage, the samples of each group that carries signal).
 
-    episodes: the step's results, groups of n consecutive episodes of one maze, each with its per-turn
-    `samples` (and `states` for gigpo and branch); rewards: [groups, n]. A turn's advantage is its episode's
-    GRPO advantage, plus `step_advantage_weight` x its step-level advantage under gigpo; under branch it is
-    the episode's GRPO advantage split over its turns (`branch_advantages`). Zero-advantage samples give
-    zero policy gradient (no KL term by default), so they are left out of the groups to train on.
+    A turn's advantage is its episode's GRPO advantage (reward minus the group's mean, / std), plus
+    `step_advantage_weight` x its step-level advantage under gigpo; under branch it is the episode's GRPO
+    advantage split over its turns (`branch_advantages`). Zero-advantage samples give zero policy gradient
+    (no KL term by default), so they are left out of the groups to train on. The samples come back as copies:
+    the rollout's own stay as played.
     """
-    n = rewards.shape[1]
-    samples, groups = [], []
-    for g, row in enumerate(group_advantages(rewards, algo.std_normalize).tolist()):
-        played = episodes[g * n : (g + 1) * n]
-        states = [e.get("states") for e in played]
+    samples, signal = [], []
+    rewards = torch.tensor([group.rewards for group in groups], dtype=torch.float32)  # [groups, n]
+    for group, row in zip(groups, group_advantages(rewards, algo.std_normalize).tolist()):
+        states = [e.states for e in group.episodes]
         if algo.advantage_estimator == "branch":
-            per_turn = branch_advantages(rewards[g].tolist(), states, algo.std_normalize)
+            per_turn = branch_advantages(group.rewards, states, algo.std_normalize)
         else:
-            per_turn = [[advantage] * len(e["samples"]) for advantage, e in zip(row, played)]
+            per_turn = [[advantage] * len(e.samples) for advantage, e in zip(row, group.episodes)]
         if algo.advantage_estimator == "gigpo":
-            steps = step_advantages(rewards[g].tolist(), states, algo.gamma, algo.std_normalize)
+            steps = step_advantages(group.rewards, states, algo.gamma, algo.std_normalize)
             per_turn = [[a + algo.step_advantage_weight * b for a, b in zip(turns, extra)]
                         for turns, extra in zip(per_turn, steps)]
-        group = []
-        for episode, advantages in zip(played, per_turn):
-            for sample, advantage in zip(episode["samples"], advantages):
-                sample.advantage = advantage
-                group.append(sample)
-        samples.extend(group)
-        kept = group if algo.use_kl_loss else [s for s in group if s.advantage != 0.0]
+        credited = [dataclasses.replace(sample, advantage=advantage)
+                    for episode, advantages in zip(group.episodes, per_turn)
+                    for sample, advantage in zip(episode.samples, advantages)]
+        samples.extend(credited)
+        kept = credited if algo.use_kl_loss else [s for s in credited if s.advantage != 0.0]
         if kept:
-            groups.append(kept)
-    return samples, groups
+            signal.append(kept)
+    return samples, signal
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -264,6 +262,9 @@ class Trainer:
         threads = max(1, (os.cpu_count() or 1) // cfg.rollout.num_workers)
         workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir), threads)
                    for _ in range(cfg.rollout.num_workers)]
+        # The trainer's state: what each train_step(step) works on.
+        self.model, self.processor, self.params, self.optimizer = model, processor, params, optimizer
+        self.workers, self.tickets = workers, tickets
         engine = LocalEngine.for_model(cfg, model, processor, name=cfg.model.base_model_id, adapter=run_id)
         eval_settings = EpisodeSettings.from_config(cfg)
         history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
@@ -306,7 +307,7 @@ class Trainer:
         bar = tqdm(total=cfg.schedule.total_steps, initial=step, desc=f"grpo {run_id}", unit="step")
         while step < cfg.schedule.total_steps:
             step += 1
-            metrics = self.train_step(step, model, optimizer, processor, params, workers, tickets)
+            metrics = self.train_step(step)
             sync_started = time.perf_counter()
             self._sync(model, workers, step)
             metrics["timing/sync_s"] = round(time.perf_counter() - sync_started, 3)
@@ -329,22 +330,25 @@ class Trainer:
         extended_dirs = (run_extended(0), run_extended(step)) if extended and step else None
         return self._finish(history, extended_dirs, tickets, time.perf_counter() - started)
 
-    def train_step(self, step, model, optimizer, processor, params, workers, tickets) -> dict:
+    def train_step(self, step: int) -> dict:
+        """Runs GRPO step `step` on the trainer's policy, optimizer, workers and maze stream; returns its metrics."""
         cfg, algo = self.cfg, self.cfg.algorithm
+        model, optimizer, processor, params = self.model, self.optimizer, self.processor, self.params
         n = cfg.rollout.n_samples_per_prompt
 
         # 1. rollout: each worker plays its share of mazes, n samples each, batched across episodes
         started = time.perf_counter()
-        mazes = tickets.take(cfg.rollout.train_batch_size)
-        shares = [mazes[i :: len(workers)] for i in range(len(workers))]
+        mazes = self.tickets.take(cfg.rollout.train_batch_size)
+        shares = [mazes[i :: len(self.workers)] for i in range(len(self.workers))]
         futures = [w.rollout.remote([(m.env_id, m.seed) for m in share], n, cfg.seed * 100_003 + step * 101 + i)
-                   for i, (w, share) in enumerate(zip(workers, shares)) if share]
-        episodes = [e for result in ray.get(futures) for e in result]
+                   for i, (w, share) in enumerate(zip(self.workers, shares)) if share]
+        played: list[MazeGroup] = [group for result in ray.get(futures) for group in result]
+        episodes = [e for group in played for e in group.episodes]
         rollout_s = time.perf_counter() - started
 
         # 2. reward -> 3. advantage: normalised within each maze's group of n samples
-        rewards = torch.tensor([e["reward"] for e in episodes], dtype=torch.float32).view(-1, n)  # [groups, n]
-        samples, groups = credit_turns(episodes, rewards, algo)
+        rewards = torch.tensor([group.rewards for group in played], dtype=torch.float32)  # [groups, n]
+        samples, groups = credit_turns(played, algo)
         # Mini-batches of maze groups, one optimizer step each (SkyRL's policy_mini_batch_size); groups without
         # signal were dropped, so every update sees only groups that carry a learning signal.
         per_update = algo.mini_batch_size or cfg.rollout.train_batch_size
@@ -389,10 +393,10 @@ class Trainer:
         return {
             "step": step,
             "reward/mean": rewards.mean().item(),
-            "train/solve_rate": float(np.mean([e["solved"] for e in episodes])),
-            "train/format_rate": float(np.mean([e["format_rate"] for e in episodes])),
-            "train/parse_failures": int(sum(e["parse_failures"] for e in episodes)),
-            "train/mean_turns": float(np.mean([e["turns"] for e in episodes])),
+            "train/solve_rate": float(np.mean([e.solved for e in episodes])),
+            "train/format_rate": float(np.mean([e.format_rate for e in episodes])),
+            "train/parse_failures": int(sum(e.parse_failures for e in episodes)),
+            "train/mean_turns": float(np.mean([e.turns for e in episodes])),
             "train/groups_with_signal": int((rewards.std(dim=1) > 0).sum().item()),
             "train/samples": len(samples),
             "train/active_samples": len(active),
@@ -405,7 +409,7 @@ class Trainer:
             "timing/train_s": round(train_s, 3),
             "throughput/rollout_tokens_per_s": round(all_tokens / max(rollout_s, 1e-9), 1),
             "throughput/train_tokens_per_s": round(sum(len(s.input_ids) for s in active) / max(train_s, 1e-9), 1),
-            "data/cursor": tickets.cursor,
+            "data/cursor": self.tickets.cursor,
         }
 
     # ---- plumbing -----------------------------------------------------------------------------------

@@ -6,9 +6,12 @@ reference's weight sync through the shared volume), then plays all of its episod
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+
+from shared.models.engine import TrainingSample
 
 
 def build_policy(base_dir: str | Path, lora_cfg, base_model_id: str, dtype: str = "float32", trainable: bool = False):
@@ -76,14 +79,40 @@ class RolloutWorker:
             self.adapter_step = step
         return self.adapter_step
 
-    def rollout(self, seeds_env: list[tuple[str, int]], n_samples: int, seed: int) -> list[dict]:
-        """Plays each maze n_samples times (sampling); returns per-episode results with training samples."""
+    def rollout(self, seeds_env: list[tuple[str, int]], n_samples: int, seed: int) -> list[MazeGroup]:
+        """Plays each maze n_samples times (sampling); returns one group per maze, with training samples."""
         return play_rollouts(self.engine, self.cfg, seeds_env, n_samples, seed)
 
 
-def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int, seed: int) -> list[dict]:
-    """Plays each maze n_samples times at the rollout temperature, all episodes batched; returns per-episode
-    results with their training samples (what a rollout worker sends the learner)."""
+@dataclass
+class PlayedEpisode:
+    """One sampled episode as the learner needs it: how it went, and one training sample per turn."""
+
+    reward: float
+    solved: bool
+    turns: int
+    parse_failures: int
+    format_rate: float
+    samples: list[TrainingSample]
+    states: list[tuple[int, int]]  # where the agent stood before each turn (what it saw)
+
+
+@dataclass
+class MazeGroup:
+    """The episodes one maze got in a step: a GRPO group."""
+
+    env_id: str
+    seed: int
+    episodes: list[PlayedEpisode]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.episodes]
+
+
+def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int, seed: int) -> list[MazeGroup]:
+    """Plays each maze n_samples times at the rollout temperature, all episodes batched; returns one group per
+    maze, in order (what a rollout worker sends the learner)."""
     from shared.episodes import EpisodeSettings, run_episodes
     from shared.maze.core import generate
     from shared.models.engine import encode_turn
@@ -91,20 +120,11 @@ def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int,
     settings = EpisodeSettings.from_config(cfg, temperature=cfg.rollout.temperature)
     mazes = [generate(env_id, s) for env_id, s in seeds_env for _ in range(n_samples)]
     episodes = run_episodes(engine, mazes, settings, keep_samples=True, seed=seed, batched=cfg.rollout.batched)
-    results = []
-    for index, episode in enumerate(episodes):
+    played = []
+    for episode in episodes:
         samples = [encode_turn(engine, messages, completion) for messages, completion in episode.samples]
-        results.append(
-            {
-                "group": index // n_samples,
-                "seed": episode.maze.seed,
-                "reward": episode.reward(cfg.env.reward),
-                "solved": episode.solved,
-                "turns": len(episode.turns),
-                "parse_failures": episode.parse_failures,
-                "format_rate": episode.format_rate(),
-                "samples": samples,
-                "states": [tuple(p) for p in episode.episode.trace[: len(samples)]],  # position before each turn
-            }
-        )
-    return results
+        played.append(PlayedEpisode(reward=episode.reward(cfg.env.reward), solved=episode.solved,
+                                    turns=len(episode.turns), parse_failures=episode.parse_failures,
+                                    format_rate=episode.format_rate(), samples=samples,
+                                    states=[tuple(p) for p in episode.episode.trace[: len(samples)]]))
+    return [MazeGroup(env_id, s, played[i * n_samples : (i + 1) * n_samples]) for i, (env_id, s) in enumerate(seeds_env)]

@@ -22,10 +22,10 @@ from tqdm import tqdm
 from shared.config import ConfigError, RunConfig, add_config_arguments, config_from_args
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
-from shared.maze.core import Maze, MazeEpisode, solve
+from shared.maze.core import Maze, solve
 from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
-from shared.maze.prompt import PromptStyle, solver_reply
-from shared.maze.render import render_rgb
+from shared.maze.prompt import solver_reply
+from shared.maze.session import MazeSession
 from shared.models.chat import assistant_turn, user_turn
 from shared.models.engine import LocalEngine, TrainingSample, collate, encode_conversation, load_model, token_logprobs
 from shared.models.tiny import ensure_tiny_model
@@ -33,24 +33,23 @@ from shared.storage import SharedVolume, is_complete, staged_dir
 
 
 def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
-    """Returns the conversation of a perfect agent on `maze`, exactly as a rollout would record it."""
+    """Returns the conversation of a perfect agent on `maze`: the solver's replies played through the same
+    turn protocol (`MazeSession`) every rollout goes through."""
     from PIL import Image
 
-    env = cfg.env
-    episode = MazeEpisode(maze, env.max_turns)
-    image = Image.fromarray(render_rgb(maze, env.cell_px))
-    style = PromptStyle(env.prompt_style, env.response_format, env.action_style)
-    messages = [user_turn(style.task_prompt(maze), image)]
-    actions = [("move", d) for d in solve(maze)] + [("stop", "stop")]
-    for action in actions:
-        if episode.done:
+    session = MazeSession.for_env(maze, cfg.env)
+    text, picture = session.start()
+    messages = [user_turn(text, Image.fromarray(picture))]
+    for action in [("move", d) for d in solve(maze)] + [("stop", "stop")]:
+        if session.done:
             break
-        view = episode.view()
-        messages.append(assistant_turn(solver_reply(view, action, env.response_format, env.action_style)))
-        _, feedback = episode.step(action)
-        if not episode.done:
-            image = Image.fromarray(render_rgb(episode.view(), env.cell_px))
-            messages.append(user_turn(feedback, image))
+        reply = solver_reply(session.episode.view(), action, cfg.env.response_format, cfg.env.action_style)
+        messages.append(assistant_turn(reply))
+        result = session.step(reply)
+        if result.action != action:
+            raise RuntimeError(f"the solver's reply {reply!r} reads as {result.action}, not {action}")
+        if not result.done:
+            messages.append(user_turn(result.feedback, Image.fromarray(result.picture)))
     return messages
 
 

@@ -12,12 +12,14 @@ from typing import Any
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from shared.maze.actions import score_episode
-from shared.maze.core import MazeEpisode, generate
+from shared.config import EnvConfig
+from shared.maze.core import generate
 from shared.maze.prompt import PromptStyle
-from shared.maze.render import data_uri, render_rgb
+from shared.maze.render import data_uri
+from shared.maze.session import MazeSession
 
 ENV_CLASS = "maze_2d"
+_DEFAULTS = EnvConfig()  # extras a dataset row leaves out take the config schema's defaults
 
 
 def _image_part(array) -> dict:
@@ -25,46 +27,42 @@ def _image_part(array) -> dict:
 
 
 class MazeEnv(BaseTextEnv):
-    """One maze episode per instance, as SkyRL creates them (one per trajectory)."""
+    """One maze episode per instance, as SkyRL creates them (one per trajectory), played through `MazeSession`."""
 
     def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None):
         super().__init__()
         extras = dict(extras or {})
-        self.env_id = extras.get("env_id", "maze_2d/easy")
+        self.env_id = extras.get("env_id", _DEFAULTS.id)
         self.seed = int(extras.get("seed", 0))
-        self.max_turns = int(extras.get("max_turns", 15))
-        self.reward_mode = extras.get("reward", "task")
-        self.cell_px = int(extras.get("cell_px", 25))
-        self.response_format = extras.get("response_format", "plain")
-        self.action_style = extras.get("action_style", "tuple")
-        self.style = PromptStyle(extras.get("prompt_style", "short"), self.response_format, self.action_style)
+        self.max_turns = int(extras.get("max_turns", _DEFAULTS.max_turns))
+        self.reward_mode = extras.get("reward", _DEFAULTS.reward)
+        style = PromptStyle(extras.get("prompt_style", _DEFAULTS.prompt_style),
+                            extras.get("response_format", _DEFAULTS.response_format),
+                            extras.get("action_style", _DEFAULTS.action_style))
         self.maze = generate(self.env_id, self.seed)
-        self.episode = MazeEpisode(self.maze, self.max_turns)
-        self.texts: list[str] = []
+        self.session = MazeSession(self.maze, self.max_turns, int(extras.get("cell_px", _DEFAULTS.cell_px)), style)
 
     def init(self, prompt=None):
         """Returns ([user message with prompt text + maze image], metadata); a given prompt is replaced."""
-        text = self.style.task_prompt(self.maze)
-        message = {"role": "user", "content": [{"type": "text", "text": text}, _image_part(render_rgb(self.maze, self.cell_px))]}
+        text, picture = self.session.start()
+        message = {"role": "user", "content": [{"type": "text", "text": text}, _image_part(picture)]}
         return [message], {"env_id": self.env_id, "seed": self.seed, "content_hash": self.maze.content_hash()}
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         self.turns += 1
-        self.texts.append(action if isinstance(action, str) else "")
-        parsed, _, feedback = self.style.play_turn(self.episode, action)
-        done = self.episode.done
-        reward = score_episode(self.episode, self.texts, self.reward_mode) if done else 0.0
+        result = self.session.step(action if isinstance(action, str) else "")
+        reward = self.session.reward(self.reward_mode) if result.done else 0.0
         observations = []
-        if not done:
-            picture = render_rgb(self.episode.view(), self.cell_px)
-            observations = [{"role": "user", "content": [{"type": "text", "text": feedback}, _image_part(picture)]}]
-        metadata = {"feedback": feedback, "position": list(self.episode.position), "solved": self.episode.solved,
-                    "parsed_action": list(parsed) if parsed else None}
-        return BaseTextEnvStepOutput(observations=observations, reward=reward, done=done, metadata=metadata,
+        if not result.done:
+            observations = [{"role": "user", "content": [{"type": "text", "text": result.feedback},
+                                                         _image_part(result.picture)]}]
+        metadata = {"feedback": result.feedback, "position": list(result.position), "solved": result.solved,
+                    "parsed_action": list(result.action) if result.action else None}
+        return BaseTextEnvStepOutput(observations=observations, reward=reward, done=result.done, metadata=metadata,
                                      postprocessed_action=action)
 
     def get_metrics(self) -> dict[str, Any]:
-        return {"solved": float(self.episode.solved), "turns": self.episode.turns}
+        return {"solved": float(self.session.solved), "turns": self.session.episode.turns}
 
 
 def register_env() -> None:

@@ -28,9 +28,11 @@ from shared.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 HYPERPOD = "configs/qwen3vl-8b-hyperpod.yaml"
-# The tiny profile on one 2-GPU node (its CPU micro-batch of 32 exceeds what SkyRL splits per GPU there).
+# The tiny profile on one 2-GPU node (its CPU micro-batch of 32 exceeds what SkyRL splits per GPU there), with
+# SkyRL's GRPO advantage (its local `branch` advantage is ours alone).
 PROFILES = {HYPERPOD: [], "configs/tiny-cpu.yaml": [
-    "backend=skyrl", "cluster.num_workers=1", "cluster.num_engines=2", "algorithm.micro_batch_size=8"]}
+    "backend=skyrl", "cluster.num_workers=1", "cluster.num_engines=2", "algorithm.micro_batch_size=8",
+    "algorithm.advantage_estimator=grpo"]}
 
 
 def load(profile: str, shared: Path, *overrides: str):
