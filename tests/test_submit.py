@@ -1,6 +1,7 @@
 """make submit: a real job on a local Ray head (loopback), and the HyperPod preflight against moto's
 SageMaker API in server mode (a real HTTP endpoint, no patching)."""
 
+import importlib
 import json
 import os
 import shutil
@@ -111,4 +112,16 @@ def test_submit_needs_an_address(tmp_path):
 
 
 def test_sagemaker_ray_address_plugin_is_installed():
-    import sagemaker_ray  # noqa: F401  (the trainer extra carries it; submit needs it for sagemaker_ray://)
+    """Ray resolves `sagemaker_ray://...` by importing the module the scheme names and calling its
+    `get_job_submission_client_cluster_info` (ray.dashboard.modules.dashboard_sdk): both must be there."""
+    import inspect
+
+    from ray.dashboard.modules.dashboard_sdk import split_address
+
+    module_name, inner = split_address("sagemaker_ray://my-cluster/default")
+    module = importlib.import_module(module_name)  # the trainer extra carries it
+    hook = module.get_job_submission_client_cluster_info
+    assert inner == "my-cluster/default" and callable(hook)
+    # Ray calls it with the inner address and create_cluster_if_needed/cookies/metadata/headers keywords.
+    inspect.signature(hook).bind("my-cluster/default", create_cluster_if_needed=False, cookies=None, metadata=None,
+                                 headers=None)
