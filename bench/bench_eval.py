@@ -3,14 +3,15 @@
 import statistics
 import time
 
-from bench.bench_rollout import engine_for_bench
+from bench.bench_rollout import engines_for_bench
 from shared.episodes import EpisodeSettings
 from shared.evaluation import evaluate
 from shared.maze.dataset import EvalSet
 
 
 def run():
-    cfg, engine, name = engine_for_bench()
+    cfg, engines, name = engines_for_bench()
+    engine = engines["shared"]  # the default decoder
     eval_set = EvalSet.held_out(cfg.env)
     times, summary = [], None
     for _ in range(3):

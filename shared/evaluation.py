@@ -173,8 +173,12 @@ def describe(summary: dict) -> str:
     )
 
 
-def plot_solve_rate(path: Path, steps: list[int], rates: list[float], ceiling: float, title: str) -> None:
-    """Writes the held-out solve rate per step, with the oracle ceiling, as a PNG."""
+def plot_solve_rate(path: Path, steps: list[int], rates: list[float], ceiling: float, title: str,
+                    extended: dict | None = None) -> None:
+    """Writes the held-out solve rate per step, with the oracle ceiling, as a PNG.
+
+    `extended` ({"label", "points": [(step, solved, total, ci_low, ci_high)], "ceiling"}) adds the larger set's
+    scores with their 95% intervals beside the curve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,12 +187,21 @@ def plot_solve_rate(path: Path, steps: list[int], rates: list[float], ceiling: f
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     ax.plot(steps, [100 * r for r in rates], marker="o", label="held-out solve rate")
     ax.axhline(100 * ceiling, color="grey", linestyle="--", label=f"oracle ceiling ({100 * ceiling:.1f}%)")
+    if extended:
+        xs = [p[0] for p in extended["points"]]
+        ys = [100 * p[1] / p[2] for p in extended["points"]]
+        errors = [[y - 100 * p[3] for y, p in zip(ys, extended["points"])],
+                  [100 * p[4] - y for y, p in zip(ys, extended["points"])]]
+        ax.errorbar(xs, ys, yerr=errors, fmt="s", color="tab:orange", capsize=4,
+                    label=f"{extended['label']} (95% CI)")
+        ax.axhline(100 * extended["ceiling"], color="tab:orange", linestyle=":", alpha=0.6,
+                   label=f"its ceiling ({100 * extended['ceiling']:.1f}%)")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("solved (%)")
     ax.set_ylim(0, 100)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp)

@@ -34,3 +34,13 @@ def test_shared_imports_no_service_or_benchmark():
                  for path in (REPO / "shared").rglob("*.py") for module in imported_modules(path)
                  if module.split(".")[0] in ("services", "bench")]
     assert not crossings, crossings
+
+
+def test_every_benchmark_script_loads_and_defines_run():
+    """`make bench` imports each bench/bench_*.py and calls its run(): a broken import fails the whole table."""
+    import importlib
+
+    scripts = sorted(p.stem for p in (REPO / "bench").glob("bench_*.py"))
+    assert {"bench_rollout", "bench_eval"} <= set(scripts)
+    for name in scripts:
+        assert callable(importlib.import_module(f"bench.{name}").run), name

@@ -170,6 +170,8 @@ def test_bad_input_and_engine_failures_get_one_line_and_the_server_stays_up(vllm
         "rank only the engine sees": (_chat(url, f"{BASE}:wide-unlabelled", "hi"), 500, "LoRA rank 64 is greater than max_lora_rank 32"),
         "too many images": (_chat(url, BASE, _maze_content() + _maze_content()[1:] * 3), 400, "too many images"),
         "image by URL": (_chat(url, BASE, http_image), 400, "not a data URI"),
+        "temperature next to 0": (_chat(url, BASE, "hi", temperature=1e-300), 400, "too small to sample with"),
+        "prompt over the context": (_chat(url, BASE, "maze " * 20_000), 400, "maximum context length"),
     }
     for name, (response, status, words) in cases.items():
         assert response.status_code == status, (name, response.status_code, response.text)

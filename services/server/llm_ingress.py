@@ -34,6 +34,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
 from services.server.llm import cause_line
+from services.server.request_rules import MIN_TEMPERATURE
 from shared.adapters import AdapterNotFound, AdapterStore
 from shared.storage import check_adapter_id
 
@@ -139,6 +140,13 @@ class MazeIngress(OpenAiIngress):
                 if max_bytes is not None and size > max_bytes:
                     raise Rejected(400, f"image {images}: {size} bytes is over the limit of {max_bytes}")
 
+    def check_sampling(self, body) -> None:
+        """Raises 400 on a temperature too close to 0 to sample with, as the transformers server does."""
+        temperature = getattr(body, "temperature", None)
+        if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
+            raise Rejected(400, f"temperature {temperature!r} is too small to sample with: use 0 for greedy decoding "
+                                f"or a value of at least {MIN_TEMPERATURE}")
+
     def cap_tokens(self, body) -> None:
         """Caps the reply length at server.max_new_tokens (vLLM reads max_completion_tokens first)."""
         cap = self.limits.get("max_new_tokens")
@@ -156,12 +164,15 @@ class MazeIngress(OpenAiIngress):
             body.model = await self.resolve_model(asked)
             if hasattr(body, "messages"):
                 self.check_messages(body.messages)
+            self.check_sampling(body)
             self.cap_tokens(body)
             try:
                 return await route(body, request)
             except OpenAIHTTPException as exc:  # Ray's own refusals (a prompt too long, a bad parameter)
                 raise Rejected(exc.status_code, f"{_what(asked)}: {cause_line(exc.message)}", exc.type) from None
             except Exception as exc:  # the engine failed this request (e.g. an adapter it cannot load)
+                if "VLLMValidationError" in f"{type(exc).__name__}: {exc}":  # vLLM refused the request (too long)
+                    raise Rejected(400, f"{_what(asked)}: {cause_line(str(exc))}") from None
                 raise Rejected(500, f"{_what(asked)}: {cause_line(str(exc))}", "server_error") from None
         except Rejected as exc:
             return exc.response()

@@ -455,9 +455,6 @@ class Trainer:
         """Writes the curve, summary.json and run.yaml's data ranges; prints the summary a user reads at a glance."""
         cfg, run_id = self.cfg, self.cfg.run_id
         steps = sorted(history)
-        if steps:
-            plot_solve_rate(self.run_dir / "solve_rate_vs_step.png", steps, [history[s]["solve_rate"] for s in steps],
-                            history[steps[0]]["oracle_solved"] / history[steps[0]]["total"], run_id)
         sft_eval = self.volume.model(cfg.model.path) / "eval" / "summary.json"
         data = {"sft_seeds": json.loads(sft_eval.read_text()).get("sft_seeds") if sft_eval.exists() else None,
                 "rl_seeds": tickets.seed_range()}
@@ -475,6 +472,15 @@ class Trainer:
                   "first_eval": history[steps[0]]["solve_rate"] if steps else None,
                   "final_eval": history[steps[-1]]["solve_rate"] if steps else None,
                   "curve": {str(s): history[s]["solve_rate"] for s in steps}, "comparisons": comparisons}
+        if steps:
+            extended = next((c for name, c in comparisons.items() if name.startswith("extended")), None)
+            points = extended and {
+                "label": f"extended {extended['before']['total']} mazes",
+                "ceiling": extended["after"]["oracle_solved"] / extended["after"]["total"],
+                "points": [(e["step"], e["solved"], e["total"], e["ci_low"], e["ci_high"])
+                           for e in (extended["before"], extended["after"])]}
+            plot_solve_rate(self.run_dir / "solve_rate_vs_step.png", steps, [history[s]["solve_rate"] for s in steps],
+                            history[steps[0]]["oracle_solved"] / history[steps[0]]["total"], run_id, points)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(result, indent=2) + "\n")
         self.log(run_summary(result))
         return result
