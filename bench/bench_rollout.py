@@ -42,8 +42,8 @@ def run():
         mazes = [(m.env_id, m.seed) for m in tickets.take(cfg.rollout.train_batch_size)]  # a fresh step each repeat
         for decoder in DECODERS:  # interleaved so machine noise hits both alike
             started = time.perf_counter()
-            played = play_rollouts(engines[decoder], cfg, mazes, n, seed=repeat)
-            rates[decoder].append(len(played) / (time.perf_counter() - started))
+            groups = play_rollouts(engines[decoder], cfg, mazes, n, seed=repeat)
+            rates[decoder].append(sum(len(g.episodes) for g in groups) / (time.perf_counter() - started))
     # Greedy play of the held-out mazes: the same replies from both decoders, and how fast each plays them.
     settings = EpisodeSettings.from_config(cfg)
     held_out = EvalSet.held_out(cfg.env).mazes()
