@@ -54,7 +54,7 @@ def test_submit_a_two_step_job_to_a_local_ray_head(tmp_path):
         assert job["status"] == "SUCCEEDED" and job["job_id"]
         verify_manifest(run / "exports" / "global_step_2" / "policy")
         assert (run / "evals" / "global_step_2" / "summary.json").exists()
-        assert "held-out solve rate" in proc.stdout  # the job's own log, streamed
+        assert "== submitted: 2 GRPO steps" in proc.stdout  # the job's own log, streamed: its end-of-run summary
     finally:
         stop_ray_started_in(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
