@@ -461,13 +461,15 @@ class Trainer:
         atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg) + "".join(
             f"# {name}: {value or 'none drawn'}  (seeds drawn, inclusive; written at the end of the run)\n"
             for name, value in data.items()))
-        sets = {}
+        pairs = []  # (eval set, its warm-start folder, its final folder)
         if len(steps) > 1:
-            folders = [self.volume.eval(run_id, f"global_step_{s}") for s in (steps[0], steps[-1])]
-            sets[f"held-out {history[steps[-1]]['total']}"] = folders
+            pairs.append(("held-out", *(self.volume.eval(run_id, f"global_step_{s}") for s in (steps[0], steps[-1]))))
         if extended_dirs:
-            sets[f"extended {len(solved_by_seed(extended_dirs[0]))}"] = list(extended_dirs)
-        comparisons = {name: compare_evals(*folders) for name, folders in sets.items()}
+            pairs.append(("extended", *extended_dirs))
+        comparisons = {}
+        for kind, before, after in pairs:
+            comparison = compare_evals(before, after)
+            comparisons[f"{kind} {comparison['before']['total']}"] = comparison
         result = {"run_id": run_id, "steps": steps[-1] if steps else 0, "wall_s": round(wall_s, 1), **data,
                   "first_eval": history[steps[0]]["solve_rate"] if steps else None,
                   "final_eval": history[steps[-1]]["solve_rate"] if steps else None,

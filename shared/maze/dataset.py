@@ -104,14 +104,14 @@ class TrainingTickets:
         self.excluded = excluded
         self.max_actions = max_actions  # skip mazes whose shortest solution takes more actions (None: keep all)
         self.start = start
-        self.stop = stop  # the stream must not reach this seed (another stream's first): StopIteration there
+        self.stop = stop  # the stream must not reach this seed (another stream's first): ValueError there
         self.cursor = start
         self.rejected = 0
 
     @classmethod
     def for_sft(cls, env, excluded: set[str]) -> TrainingTickets:
         """Returns the SFT warm start's maze stream: from env.sft_seed_start, ending before GRPO's first seed."""
-        return cls(env.id, excluded, env.sft_seed_start, stop=env.rl_seed_start if env.rl_seed_start > env.sft_seed_start else None)
+        return cls(env.id, excluded, env.sft_seed_start, stop=env.rl_seed_start)  # the config puts GRPO's start above
 
     @classmethod
     def for_rl(cls, env, excluded: set[str]) -> TrainingTickets:

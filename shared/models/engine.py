@@ -179,13 +179,21 @@ class LocalEngine:
 
     # ---- the shared-prefix decoder -----------------------------------------------------------------
 
-    def _pixel_values(self, image) -> tuple[str, torch.Tensor, torch.Tensor]:
-        """Returns (key, pixel_values, image_grid_thw) of one picture, computed once per distinct picture."""
-        key = hashlib.blake2b(image.tobytes(), digest_size=16, person=f"{image.mode}{image.size}".encode()[:16]).hexdigest()
+    def _hf_model(self):
+        """Returns the transformers model under a peft wrapper (or the model itself)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    @staticmethod
+    def _picture_key(image) -> str:
+        """Returns a digest of a picture's pixels: the one identity the prompt, pixel and feature caches use."""
+        return hashlib.blake2b(image.tobytes(), digest_size=16, person=f"{image.mode}{image.size}".encode()[:16]).hexdigest()
+
+    def _pixel_values(self, image, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (pixel_values, image_grid_thw) of one picture, computed once per distinct picture."""
         hit = self._pixels.get(key)
         if hit is None:
             out = self.processor.image_processor(images=[image], return_tensors="pt")
-            hit = (key, out["pixel_values"], out["image_grid_thw"])
+            hit = (out["pixel_values"], out["image_grid_thw"])
             self._pixels[key] = hit
             if len(self._pixels) > PIXEL_CACHE_IMAGES:
                 self._pixels.popitem(last=False)
@@ -199,8 +207,7 @@ class LocalEngine:
         from a cache, which empties whenever a vision weight changes (an optimizer step or a loaded state dict
         bumps the tensors' version counters). Off when a LoRA sits on the vision tower (adapters can be
         switched or disabled without a write). `keys` name the pictures of the next forward, in order."""
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        inner = base.model
+        inner = self._hf_model().model
         if any("lora_" in name for name, _ in inner.visual.named_parameters()):
             yield  # a LoRA on the vision tower can be switched or disabled without a write: no cache
             return
@@ -272,15 +279,16 @@ class LocalEngine:
                    use_cache=True, logits_to_keep=1)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
-    def _prefill(self, prompts: list[tuple[str, list]]):
-        """Runs distinct prompts once; returns (last logits, KV cache, next position [3, rows], attention mask).
+    def _prefill(self, prompts: list[tuple[str, list, tuple[str, ...]]]):
+        """Runs distinct prompts (text, pictures, picture keys) once; returns (last logits, KV cache, next position
+        [3, rows], attention mask).
 
-        The text prefix every prompt shares (the task prompt) comes from the prefix cache; the rest of each
+        The text prefix every prompt shares (the task prompt) is computed once, in one row; the rest of each
         prompt follows it after padding, so every row ends on its last token."""
         from transformers import DynamicCache
 
         device = self.model.device
-        rows = [self._prompt_ids(text, images) for text, images in prompts]
+        rows = [self._prompt_ids(text, images) for text, images, _ in prompts]
         shared = self._shared_prefix(rows)
         width = max(len(r) for r in rows) - shared
         input_ids = torch.full((len(rows), shared + width), self.pad_id, dtype=torch.long)
@@ -292,20 +300,21 @@ class LocalEngine:
             attention[i, shared + width - (len(row) - shared):] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         mm_types = (input_ids == self.processor.image_token_id).long()
-        pictures = [self._pixel_values(image) for _, images in prompts for image in images]
+        picture_keys = [key for _, _, keys in prompts for key in keys]
+        pictures = [self._pixel_values(image, key)
+                    for _, images, keys in prompts for image, key in zip(images, keys)]
         vision = {}
         if pictures:
-            vision = {"pixel_values": torch.cat([p for _, p, _ in pictures]).to(device),
-                      "image_grid_thw": torch.cat([g for _, _, g in pictures]).to(device)}
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # peft or plain
-        positions, _ = base.model.get_rope_index(input_ids, image_grid_thw=vision.get("image_grid_thw"),
+            vision = {"pixel_values": torch.cat([p for p, _ in pictures]).to(device),
+                      "image_grid_thw": torch.cat([g for _, g in pictures]).to(device)}
+        positions, _ = self._hf_model().model.get_rope_index(input_ids, image_grid_thw=vision.get("image_grid_thw"),
                                                  attention_mask=attention, mm_token_type_ids=mm_types)
         cache = DynamicCache(config=self.model.config)
         if shared:
             for layer, (keys, values) in enumerate(self._prefix_kv(rows[0][:shared])):
                 cache.update(keys.expand(len(rows), -1, -1, -1).contiguous(),
                              values.expand(len(rows), -1, -1, -1).contiguous(), layer)
-        with self._vision_cache([key for key, _, _ in pictures]):
+        with self._vision_cache(picture_keys):
             out = self.model(input_ids=input_ids[:, shared:], attention_mask=attention,
                              position_ids=positions[:, :, shared:], mm_token_type_ids=mm_types[:, shared:],
                              past_key_values=cache, use_cache=True, logits_to_keep=1, **vision)
@@ -318,11 +327,11 @@ class LocalEngine:
         prompts = [self.prompt(messages) for messages in conversations]
         keys, distinct, state = {}, [], []
         for text, images in prompts:
-            key = (text, tuple(img.tobytes() for img in images))
-            if key not in keys:
-                keys[key] = len(distinct)
-                distinct.append((text, images))
-            state.append(keys[key])
+            pictures = tuple(self._picture_key(img) for img in images)
+            if (text, pictures) not in keys:
+                keys[(text, pictures)] = len(distinct)
+                distinct.append((text, images, pictures))
+            state.append(keys[(text, pictures)])
         logits, cache, next_position, attention = self._prefill(distinct)  # one row per state
         device = self.model.device
         state = torch.tensor(state, device=device)  # each episode's state
