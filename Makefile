@@ -61,10 +61,10 @@ system-deps: ## Debian packages the tests drive for real (prometheus, chromium);
 	fi
 
 lint: setup ## Ruff over the code
-	$(PY) -m ruff check shared services tests bench docker
+	$(PY) -m ruff check shared services tests bench docker envs
 
 test: setup skyrl-env vllm-env system-deps ## Lint, then the test suite, then SkyRL's code against ours (installs what it needs first)
-	$(PY) -m ruff check shared services tests bench docker
+	$(PY) -m ruff check shared services tests bench docker envs
 	bash docker/with-engine.sh $(PY) -m pytest $(ARGS)
 	$(SKYRL_PY) -m pytest tests/skyrl_checks $(ARGS)
 
