@@ -16,7 +16,8 @@ from shared.episodes import EpisodeSettings, run_episodes
 from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
 from shared.models.engine import LocalEngine
 from shared.models.tiny import ensure_tiny_model
-from shared.storage import SharedVolume, is_complete
+from shared.storage.manifest import is_complete
+from shared.storage.volume import SharedVolume
 
 REPEATS = 3
 DECODERS = ("transformers", "shared")

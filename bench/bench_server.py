@@ -29,7 +29,8 @@ def _adapter_run(cfg, model_dir, shared: Path) -> str:
     """Writes two LoRA exports of the tiny model (as the trainer lays them out); returns the run id."""
     from services.trainer.grpo import save_adapter
     from services.trainer.rollout import build_policy
-    from shared.storage import SharedVolume, staged_dir
+    from shared.storage.files import staged_dir
+    from shared.storage.volume import SharedVolume
 
     volume = SharedVolume(shared)
     model, _ = build_policy(model_dir, cfg.lora, cfg.model.base_model_id)
@@ -82,7 +83,7 @@ def _percentile(values, q):
 
 
 def run():
-    from shared.local_s3 import ensure_bucket, start_server
+    from shared.storage.local_s3 import ensure_bucket, start_server
 
     shared = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     cfg = load_config(None, [f"storage.shared_dir={shared}"], environ={})

@@ -24,7 +24,7 @@ def run():
 
     from bench.bench_server import _adapter_run
     from shared.models.vllm_engine import VllmEngine
-    from shared.storage import SharedVolume
+    from shared.storage.volume import SharedVolume
 
     shared = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     cfg = load_config(None, [f"storage.shared_dir={shared}"], environ={})

@@ -12,9 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared.storage import MANIFEST, ManifestError, check_adapter_id, s3_client, split_s3_uri, verify_manifest
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+from shared.storage.ids import check_adapter_id
+from shared.storage.manifest import MANIFEST, ManifestError, verify_manifest
+from shared.storage.s3 import s3_client, split_s3_uri
 
 
 class AdapterNotFound(LookupError):
@@ -28,10 +28,11 @@ class AdapterChanging(RuntimeError):
 class AdapterStore:
     """Read access to `<s3_uri>/adapters/`: list ids, read manifests, fetch into a local cache."""
 
-    def __init__(self, s3_uri: str, endpoint_url: str | None = None, cache_dir: str | Path | None = None, client=None):
+    def __init__(self, s3_uri: str, endpoint_url: str | None = None, cache_dir: str | Path | None = None, client=None,
+                 region: str | None = None):
         self.bucket, prefix = split_s3_uri(s3_uri)
         self.prefix = f"{prefix}/adapters".lstrip("/")
-        self.client = client or s3_client(endpoint_url)
+        self.client = client or s3_client(endpoint_url, region)
         self.cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "maze-grpo-adapters")
 
     @classmethod
@@ -39,7 +40,7 @@ class AdapterStore:
         if not cfg.storage.s3_uri:
             raise ValueError("no S3_URI set: adapters in S3 need S3_URI (and AWS_ENDPOINT_URL for a local endpoint)")
         cache = cache_dir or cfg.shared_path() / "cache" / "adapters"
-        return cls(cfg.storage.s3_uri, cfg.storage.aws_endpoint_url, cache)
+        return cls(cfg.storage.s3_uri, cfg.storage.aws_endpoint_url, cache, region=cfg.cluster.region)
 
     def key(self, adapter_id: str, name: str) -> str:
         return f"{self.prefix}/{check_adapter_id(adapter_id)}/{name}"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny-cpu.yaml"
@@ -143,7 +143,11 @@ class StorageConfig(Section):
 class ClusterConfig(Section):
     ray_address: str | None = Field(None, description="RAY_ADDRESS: http://head:8265 or sagemaker_ray://cluster/ns")
     hyperpod_cluster: str | None = None
-    region: str | None = None
+    region: str | None = Field(None, description="AWS_REGION: the region of the cluster, S3 and SageMaker calls")
+    sagemaker_endpoint_url: str | None = Field(
+        None, description="SAGEMAKER_ENDPOINT_URL: a SageMaker API endpoint other than AWS's (null: AWS's own)")
+    metrics_export_port: int | None = Field(
+        None, ge=1, le=65535, description="the local Ray's Prometheus metrics port (null: Ray picks a free one)")
     head_instance_type: str = "ml.r5d.16xlarge"
     worker_instance_type: str = "ml.g7e.12xlarge"
     num_workers: int = Field(3, ge=0)
@@ -158,6 +162,10 @@ class ClusterConfig(Section):
 class ServerConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    url: str | None = Field(None, description="SERVER_URL: where clients (the evaluator) reach the server "
+                            "(null: http://127.0.0.1:<port>)")
+    api_key: SecretStr | None = Field(None, exclude=True, description="SERVER_API_KEY: the bearer token every request "
+                                      "must carry (null: none, and the server binds to loopback only); never written out")
     max_num_adapters_per_replica: int = Field(4, ge=1)
     max_lora_rank: int = Field(32, ge=1)
     max_loras: int = Field(4, ge=1)
@@ -178,6 +186,13 @@ class ServerConfig(Section):
     engine_start_tries: int = Field(3, ge=1, description="how often Ray Serve tries to start a vLLM replica before giving up")
 
 
+class DashboardsConfig(Section):
+    grafana_url: str | None = Field(None, description="GRAFANA_URL: the Grafana the dashboards are provisioned into")
+    grafana_token: SecretStr | None = Field(None, exclude=True, description="GRAFANA_TOKEN: a service-account token; "
+                                            "never written out")
+    prometheus_url: str = Field("http://127.0.0.1:9090", description="PROMETHEUS_URL: the dashboards' data source")
+
+
 class RunConfig(Section):
     run_id: str = Field("tiny-cpu", description="folder under runs/: letters, digits, '.', '_', '-'")
     seed: int = 0
@@ -192,11 +207,12 @@ class RunConfig(Section):
     storage: StorageConfig = StorageConfig()
     cluster: ClusterConfig = ClusterConfig()
     server: ServerConfig = ServerConfig()
+    dashboards: DashboardsConfig = DashboardsConfig()
 
     @field_validator("run_id")
     @classmethod
     def _plain_run_id(cls, value: str) -> str:
-        from shared.storage import check_run_id
+        from shared.storage.ids import check_run_id
 
         return check_run_id(value)
 
@@ -206,12 +222,28 @@ class RunConfig(Section):
         return path if path.is_absolute() else REPO_ROOT / path
 
 
+# Every environment variable the services read, and the config key it sets (over the profile, under CLI overrides).
 ENV_OVERRIDES = {
     "SHARED_DIR": "storage.shared_dir",
     "S3_URI": "storage.s3_uri",
     "AWS_ENDPOINT_URL": "storage.aws_endpoint_url",
+    "AWS_REGION": "cluster.region",
     "RAY_ADDRESS": "cluster.ray_address",
+    "SAGEMAKER_ENDPOINT_URL": "cluster.sagemaker_endpoint_url",
+    "SERVER_URL": "server.url",
+    "SERVER_API_KEY": "server.api_key",
+    "GRAFANA_URL": "dashboards.grafana_url",
+    "GRAFANA_TOKEN": "dashboards.grafana_token",
+    "PROMETHEUS_URL": "dashboards.prometheus_url",
 }
+
+
+def from_environment(key: str, environ: dict | None = None) -> str | None:
+    """Returns the environment's value for a config key (through ENV_OVERRIDES), for code that runs without a
+    config: a Ray Serve replica built from a deploy file, which must not hold the API key."""
+    environ = os.environ if environ is None else environ
+    variable = next(name for name, dotted in ENV_OVERRIDES.items() if dotted == key)
+    return environ.get(variable) or None
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:
@@ -319,9 +351,14 @@ def add_config_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", help="key.path=value config overrides, e.g. rollout.temperature=0.5")
 
 
+def reveal(secret: SecretStr | None) -> str | None:
+    """Returns a secret's value (an API key, a token), or None when it is unset."""
+    return secret.get_secret_value() if secret is not None else None
+
+
 def config_from_args(args, extra: list[str] | None = None) -> RunConfig:
     """Returns the config named by --config plus overrides; exits with the one-line error when it is bad."""
     try:
-        return load_config(args.config, list(args.overrides) + list(extra or []))
+        return load_config(args.config, list(getattr(args, "overrides", [])) + list(extra or []))
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None

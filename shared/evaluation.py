@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from shared.episodes import Episode, EpisodeSettings, run_episodes
 from shared.maze.dataset import EvalSet
-from shared.storage import atomic_write_json, atomic_write_text
+from shared.storage.files import atomic_write_json, atomic_write_text
 
 # SkyRL's solve rate: the env's `solved` metric averaged over the held-out episodes. Not `eval/all/pass_at_1`,
 # which counts an episode as passed when its reward is above 0: under `reward: task_format` an unsolved but

@@ -51,7 +51,7 @@ def tiny(tiny_model_dir):
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3-compatible HTTP server (moto in server mode) on loopback, for the whole session."""
-    from shared.local_s3 import start_server
+    from shared.storage.local_s3 import start_server
 
     proc, url = start_server()
     yield url
@@ -65,7 +65,8 @@ def exported_run(tiny_cfg, tiny_model_dir):
     import torch
 
     from services.trainer.rollout import build_policy
-    from shared.storage import SharedVolume, atomic_write_json, staged_dir
+    from shared.storage.files import atomic_write_json, staged_dir
+    from shared.storage.volume import SharedVolume
 
     volume = SharedVolume(tiny_cfg.shared_path())
     run_id = "exp-run"
@@ -106,7 +107,7 @@ def server(exported_run, tiny_model_dir, s3_endpoint, tmp_path_factory):
     """
     from shared.config import load_config
     from shared.net import wait_for_http
-    from shared.storage import s3_client
+    from shared.storage.s3 import s3_client
 
     volume, run_id = exported_run
     bucket = "served"

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import SecretStr
 
-from shared.config import ConfigError, dump_config, load_config, parse_config
+from shared.config import ENV_OVERRIDES, ConfigError, dump_config, from_environment, load_config, parse_config, reveal
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,6 +43,35 @@ def test_env_and_cli_overrides(tmp_path):
     assert cfg.rollout.temperature == 0.5 and cfg.lora.target_modules == ["q_proj"]
     assert cfg.shared_path() == tmp_path and cfg.storage.s3_uri == "s3://b/p"
     assert cfg.cluster.ray_address == "http://h:8265" and cfg.storage.aws_endpoint_url == "http://127.0.0.1:9"
+
+
+def test_every_environment_variable_sets_its_key_and_secrets_are_never_written(tmp_path):
+    environ = {name: f"value-of-{name}" for name in ENV_OVERRIDES} | {"SHARED_DIR": str(tmp_path)}
+    cfg = load_config(None, environ=environ)
+    for name, key in ENV_OVERRIDES.items():
+        section, field = key.split(".")
+        value = getattr(getattr(cfg, section), field)
+        assert (reveal(value) if isinstance(value, SecretStr) else value) == environ[name], name
+        assert from_environment(key, environ) == environ[name]
+    written = dump_config(cfg)
+    assert "value-of-SERVER_API_KEY" not in written and "value-of-GRAFANA_TOKEN" not in written
+    assert "value-of-SERVER_API_KEY" not in repr(cfg)
+    assert reveal(load_config(None, environ={}).server.api_key) is None
+
+
+def test_no_service_reads_an_environment_variable_outside_the_schema():
+    """Variables the services read go through ENV_OVERRIDES; forwarding the AWS/HF credential chain to Ray
+    workers and SkyRL's own variables are the only other reads."""
+    allowed = {"services/server/__main__.py": ["k.startswith"], "services/trainer/submit.py": ["FORWARDED_ENV", "SKYRL_FORWARDS"],
+               "services/trainer/skyrl_backend.py": ["HF_HUB_OFFLINE"]}
+    reads = []
+    for path in sorted((REPO / "services").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"os\.environ\.get|os\.getenv|os\.environ\[", line) and not any(
+                    word in line for word in allowed.get(rel, [])):
+                reads.append(f"{rel}:{number}: {line.strip()}")
+    assert not reads, reads
 
 
 @pytest.mark.parametrize(

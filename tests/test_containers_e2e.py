@@ -161,7 +161,7 @@ def test_evaluator_container_scores_the_trainers_export(pipeline):
 
 
 def test_exporter_container_staged_the_adapter_in_s3(pipeline):
-    from shared.storage import s3_client
+    from shared.storage.s3 import s3_client
 
     s3 = s3_client(f"http://127.0.0.1:{PORTS['S3_PORT']}")
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="maze-grpo", Prefix=f"local/adapters/{RUN_ID}/")["Contents"]}

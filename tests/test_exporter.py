@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from shared.adapters import AdapterStore
-from shared.storage import staged_dir, verify_manifest
+from shared.storage.files import staged_dir
+from shared.storage.manifest import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,7 +29,7 @@ def _run(args, shared, endpoint, bucket_uri, wait=True, extra_env=None):
 
 @pytest.fixture()
 def bucket(s3_endpoint, request):
-    from shared.storage import s3_client
+    from shared.storage.s3 import s3_client
 
     name = "b-" + request.node.name.lower().replace("_", "-")[:40]
     s3_client(s3_endpoint).create_bucket(Bucket=name)
@@ -77,7 +78,7 @@ def test_incomplete_and_corrupt_exports(exported_run, s3_endpoint, bucket, tmp_p
         for f in (exports / "global_step_4" / "policy").iterdir():
             if f.name != "manifest.json":
                 shutil.copy(f, tmp / f.name)
-    from shared.storage import write_manifest
+    from shared.storage.manifest import write_manifest
 
     write_manifest(exports / "global_step_4" / "policy")
     proc = _run(["--run", "bad-run"], shared, s3_endpoint, bucket)
@@ -114,7 +115,7 @@ def test_killed_mid_upload_then_rerun_completes(exported_run, s3_endpoint, bucke
     tensors = load_file(str(policy / "adapter_model.safetensors"))
     tensors["base_model.model.extra.lora_A.weight"] = torch.randn(3000, 4000)
     save_file(tensors, str(policy / "adapter_model.safetensors"))
-    from shared.storage import write_manifest
+    from shared.storage.manifest import write_manifest
 
     write_manifest(policy)
     store = AdapterStore(bucket, s3_endpoint)
@@ -133,32 +134,45 @@ def test_killed_mid_upload_then_rerun_completes(exported_run, s3_endpoint, bucke
             json.loads((store.fetch(adapter_id) / "manifest.json").read_text())["files"]["adapter_model.safetensors"]["size"]
 
 
-def test_skyrl_layout_exports_are_read_unchanged(exported_run, s3_endpoint, bucket, tmp_path):
-    """SkyRL writes exports/global_step_N/policy/{adapter_model.safetensors, adapter_config.json} and no
-    manifest: a settled export is adopted (manifest written by the reader), a fresh one waits."""
+def test_skyrl_exports_without_a_manifest_are_adopted_only_by_the_adopt_command(exported_run, s3_endpoint, bucket, tmp_path):
+    """SkyRL writes exports/global_step_N/policy/{adapter_model.safetensors, adapter_config.json} and no manifest
+    (the skyrl backend seals its own; a SkyRL run made otherwise does not). Exporting skips such an export and
+    writes nothing; `adopt` seals a settled one and leaves one still changing."""
     volume, run_id = exported_run
     shared = tmp_path / "shared"
+    exports = shared / "runs" / "skyrl-run" / "exports"
     for step in (20, 40):
-        policy = shared / "runs" / "skyrl-run" / "exports" / f"global_step_{step}" / "policy"
+        policy = exports / f"global_step_{step}" / "policy"
         policy.mkdir(parents=True)
         for name in ("adapter_model.safetensors", "adapter_config.json"):
             shutil.copy(volume.export(run_id, 2) / name, policy / name)
     settled = time.time() - 3600
-    for f in (shared / "runs" / "skyrl-run" / "exports" / "global_step_20" / "policy").iterdir():
+    for f in (exports / "global_step_20" / "policy").iterdir():
         os.utime(f, (settled, settled))
-    (shared / "runs" / "skyrl-run" / "ckpts").mkdir()
-    (shared / "runs" / "skyrl-run" / "ckpts" / "latest_ckpt_global_step.txt").write_text("40")
+
+    skipped = _run(["--run", "skyrl-run"], shared, s3_endpoint, bucket)
+    assert skipped.returncode != 0 and "no complete, valid export" in skipped.stderr
+    assert "python -m services.exporter adopt --run skyrl-run" in skipped.stdout + skipped.stderr
+    assert not list(exports.rglob("manifest.json")), "exporting read the volume and wrote nothing"
+
+    adopted = _run(["adopt", "--run", "skyrl-run"], shared, s3_endpoint, bucket)
+    assert adopted.returncode == 0, adopted.stderr
+    assert f"sealed {exports / 'global_step_20' / 'policy'}" in adopted.stdout
+    assert f"not yet: {exports / 'global_step_40' / 'policy'}" in adopted.stdout
+    verify_manifest(exports / "global_step_20" / "policy")
+    assert not (exports / "global_step_40" / "policy" / "manifest.json").exists()
+
     proc = _run(["--run", "skyrl-run"], shared, s3_endpoint, bucket)
     assert proc.returncode == 0, proc.stderr
-    assert "skyrl-run-step20: uploaded" in proc.stdout and "skyrl-run-step40" not in proc.stdout.replace("global_step_40", "")
-    assert "global_step_40" in proc.stdout  # still being written: skipped with a warning
-    verify_manifest(shared / "runs" / "skyrl-run" / "exports" / "global_step_20" / "policy")
+    assert "skyrl-run-step20: uploaded" in proc.stdout
     assert AdapterStore(bucket, s3_endpoint).list() == ["skyrl-run-step20"]
+    again = _run(["adopt", "--run", "skyrl-run", "--settle", "0"], shared, s3_endpoint, bucket)
+    assert again.returncode == 0 and again.stdout.strip() == f"sealed {exports / 'global_step_40' / 'policy'}"
 
 
 def test_local_s3_endpoint_of_another_host_is_neither_used_nor_stopped(tmp_path):
     """endpoint.json lives on the shared volume; its process id means something only on the host that wrote it."""
-    from shared import local_s3
+    from shared.storage import local_s3
 
     path = local_s3.state_file(tmp_path)
     path.parent.mkdir(parents=True)

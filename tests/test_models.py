@@ -22,7 +22,7 @@ from shared.models.engine import (
     token_logprobs,
 )
 from shared.models.tiny import build_tiny_model
-from shared.storage import sha256_file
+from shared.storage.manifest import sha256_file
 
 CELL_PX = load_config().env.cell_px  # the profile's cell size: one merged vision token per cell
 

@@ -199,7 +199,7 @@ def test_no_ray_process_outlives_a_sigkilled_server(tiny_model_dir, s3_endpoint,
     import psutil
 
     from shared.net import wait_for_http
-    from shared.storage import s3_client
+    from shared.storage.s3 import s3_client
 
     s3_client(s3_endpoint).create_bucket(Bucket="killed")
     port = _free_port()

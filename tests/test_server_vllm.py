@@ -89,7 +89,7 @@ def vllm_server(exported_run, tiny_model_dir, s3_endpoint, wide_adapter, tmp_pat
     from services.exporter.export import Exporter
     from shared.adapters import AdapterStore
     from shared.config import load_config
-    from shared.storage import s3_client
+    from shared.storage.s3 import s3_client
 
     volume, run_id = exported_run
     s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
@@ -209,7 +209,7 @@ def test_evaluator_against_vllm_scores_the_64_mazes_as_in_process_greedy(vllm_se
 @needs_vllm
 @pytest.mark.parametrize("failure", ["model it cannot load", "KV cache that does not fit"])
 def test_an_engine_that_cannot_start_says_why_in_one_line(failure, tiny_model_dir, s3_endpoint, shared_dir, tmp_path):
-    from shared.storage import s3_client
+    from shared.storage.s3 import s3_client
 
     if BUCKET not in {b["Name"] for b in s3_client(s3_endpoint).list_buckets()["Buckets"]}:
         s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)

@@ -9,18 +9,11 @@ import time
 
 import pytest
 
-from shared.storage import (
-    ManifestError,
-    SharedVolume,
-    atomic_write_bytes,
-    check_adapter_id,
-    latest_complete_step,
-    read_jsonl,
-    split_s3_uri,
-    staged_dir,
-    verify_manifest,
-    write_manifest,
-)
+from shared.storage.files import atomic_write_bytes, read_jsonl, staged_dir
+from shared.storage.ids import check_adapter_id
+from shared.storage.manifest import ManifestError, verify_manifest, write_manifest
+from shared.storage.s3 import split_s3_uri
+from shared.storage.volume import SharedVolume, latest_complete_step
 
 
 def test_paths_follow_the_contract(tmp_path):
@@ -54,7 +47,7 @@ def test_manifest_round_trip_and_tamper(tmp_path):
 
 WRITER = """
 import sys, time
-from shared.storage import staged_dir
+from shared.storage.files import staged_dir
 with staged_dir(sys.argv[1]) as tmp:
     for i in range(1000):
         (tmp / f"part{i}.bin").write_bytes(b"y" * 100_000)
@@ -110,3 +103,22 @@ def test_write_manifest_extra_and_ids(tmp_path):
     for bad in ("../x", "a/b", "", "a:b", ".."):
         with pytest.raises(ValueError):
             check_adapter_id(bad)
+
+
+def test_s3_client_for_a_local_endpoint_leaves_the_environment_alone(monkeypatch, s3_endpoint):
+    """A local S3-compatible server takes any credentials: the client carries them, os.environ stays as it was."""
+    from shared.storage.s3 import LOCAL_CREDENTIALS, endpoint_credentials, s3_client
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    before = dict(os.environ)
+    client = s3_client(s3_endpoint)
+    client.create_bucket(Bucket="no-env-creds")
+    assert "no-env-creds" in {b["Name"] for b in client.list_buckets()["Buckets"]}
+    assert dict(os.environ) == before
+    assert endpoint_credentials(s3_endpoint) == LOCAL_CREDENTIALS and endpoint_credentials(None) == {}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "mine")
+    assert endpoint_credentials(s3_endpoint) == {}, "credentials of one's own are used as they are"

@@ -17,7 +17,7 @@ import boto3
 from services.trainer.submit import check_cluster, describe_hyperpod
 from shared.config import load_config
 from shared.local_ray import stop_ray_started_in
-from shared.storage import verify_manifest
+from shared.storage.manifest import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 MINIMAL = ["sft.num_mazes=8", "rollout.train_batch_size=2", "rollout.n_samples_per_prompt=2", "env.max_turns=3",

@@ -23,7 +23,7 @@ from services.trainer.grpo import (
 from services.trainer.rollout import MazeGroup, PlayedEpisode
 from shared.config import AlgorithmConfig
 from shared.models.engine import TrainingSample
-from shared.storage import verify_manifest
+from shared.storage.manifest import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 

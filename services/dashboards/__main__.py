@@ -12,31 +12,37 @@ Idempotent: a second run updates the folder, data source and dashboards in place
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+
+from shared.config import config_from_args, reveal
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.dashboards", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="provision", choices=["provision", "monitor"])
-    parser.add_argument("--grafana-url", default=os.environ.get("GRAFANA_URL"), help="Grafana base URL (GRAFANA_URL)")
-    parser.add_argument("--token", default=os.environ.get("GRAFANA_TOKEN"), help="service-account token (GRAFANA_TOKEN)")
-    parser.add_argument("--prometheus-url", default=os.environ.get("PROMETHEUS_URL", "http://127.0.0.1:9090"),
-                        help="the data source URL (PROMETHEUS_URL)")
+    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml): its dashboards section")
+    parser.add_argument("--grafana-url", default=None, help="Grafana base URL (default: dashboards.grafana_url, GRAFANA_URL)")
+    parser.add_argument("--token", default=None, help="service-account token (default: dashboards.grafana_token, GRAFANA_TOKEN)")
+    parser.add_argument("--prometheus-url", default=None,
+                        help="the data source URL (default: dashboards.prometheus_url, PROMETHEUS_URL, else http://127.0.0.1:9090)")
     parser.add_argument("--amp-workspace-url", default=None, help="Amazon Managed Service for Prometheus query URL (SigV4)")
-    parser.add_argument("--region", default=os.environ.get("AWS_REGION"), help="AWS region for SigV4")
+    parser.add_argument("--region", default=None, help="AWS region for SigV4 (default: cluster.region, AWS_REGION)")
     parser.add_argument("--out", default=None, help="write the dashboard JSON files here instead of provisioning")
     parser.add_argument("--wait", type=float, default=0, help="seconds to wait for Grafana to come up")
     parser.add_argument("--port", type=int, default=9090, help="monitor: Prometheus port on 127.0.0.1")
     args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    grafana_url = args.grafana_url or cfg.dashboards.grafana_url
+    token = args.token or reveal(cfg.dashboards.grafana_token)
+    prometheus_url = args.prometheus_url or cfg.dashboards.prometheus_url
+    region = args.region or cfg.cluster.region
 
     if args.command == "monitor":
         from services.dashboards.monitor import start_prometheus
-        from shared.config import load_config
 
-        url = start_prometheus(load_config().shared_path() / "prometheus", args.port)
+        url = start_prometheus(cfg.shared_path() / "prometheus", args.port)
         print(f"Prometheus on {url}, scraping Ray's service-discovery file; dashboards: make dashboards PROMETHEUS_URL={url}")
         return
 
@@ -50,14 +56,14 @@ def main(argv: list[str] | None = None) -> None:
         for path in paths:
             print(f"wrote {path}")
         return
-    if not args.grafana_url:
+    if not grafana_url:
         sys.exit("no Grafana URL: pass --grafana-url or set GRAFANA_URL (or use --out DIR to write JSON files)")
-    if args.amp_workspace_url and not args.region:
+    if args.amp_workspace_url and not region:
         sys.exit("--amp-workspace-url needs --region (or AWS_REGION) for SigV4")
 
     from grafana_client import GrafanaApi
 
-    api = GrafanaApi.from_url(args.grafana_url, credential=args.token or None, timeout=10.0)
+    api = GrafanaApi.from_url(grafana_url, credential=token, timeout=10.0)
     deadline = time.time() + args.wait
     while True:
         try:
@@ -65,16 +71,16 @@ def main(argv: list[str] | None = None) -> None:
             break
         except Exception as exc:
             if time.time() >= deadline:
-                sys.exit(f"Grafana at {args.grafana_url} is not reachable ({type(exc).__name__}: {exc}); "
+                sys.exit(f"Grafana at {grafana_url} is not reachable ({type(exc).__name__}: {exc}); "
                          "check GRAFANA_URL and that Grafana is running")
             time.sleep(2)
     try:
-        done = provision(api, args.amp_workspace_url or args.prometheus_url,
-                         sigv4_region=args.region if args.amp_workspace_url else None)
+        done = provision(api, args.amp_workspace_url or prometheus_url,
+                         sigv4_region=region if args.amp_workspace_url else None)
     except ProvisionError as exc:
         sys.exit(f"error: {exc}")
     except Exception as exc:
-        sys.exit(f"error: provisioning Grafana at {args.grafana_url} failed ({type(exc).__name__}: {exc})")
+        sys.exit(f"error: provisioning Grafana at {grafana_url} failed ({type(exc).__name__}: {exc})")
     print(f"done: folder {done['folder']}, data source {done['datasource']}, 4 dashboards provisioned")
 
 

@@ -13,25 +13,21 @@ Writes summary.json, episodes.jsonl, gifs/ and report.html to runs/<run>/evals/<
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 from services.evaluator.report import write_comparison, write_gifs, write_report
-from shared.config import CommandLineParser, ConfigError, RunConfig, load_config
+from shared.config import CommandLineParser, RunConfig, add_config_arguments, config_from_args, reveal
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate, plot_solve_rate, skyrl_solve_rates
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.models.engine import LocalEngine, ModelLoadError
-from shared.storage import (
-    SharedVolume,
-    append_jsonl,
-    check_run_id,
-    read_jsonl,
-    sha256_file,
-)
-from shared.storage import complete_exports as storage_complete_exports
+from shared.storage.files import append_jsonl, read_jsonl
+from shared.storage.ids import check_run_id
+from shared.storage.manifest import sha256_file
+from shared.storage.volume import SharedVolume
+from shared.storage.volume import complete_exports as storage_complete_exports
 
 
 def resolve_adapter(cfg: RunConfig, adapter: str | None) -> Path | None:
@@ -111,7 +107,7 @@ def endpoint_engine(cfg: RunConfig, base_url: str, model_name: str | None):
     """Returns an OpenAI-endpoint engine with SERVER_API_KEY and the profile's context limits."""
     from shared.models.endpoint import OpenAIEngine
 
-    return OpenAIEngine(base_url, model_name or cfg.model.base_model_id, api_key=os.environ.get("SERVER_API_KEY"),
+    return OpenAIEngine(base_url, model_name or cfg.model.base_model_id, api_key=reveal(cfg.server.api_key),
                         max_images_in_context=cfg.model.max_images_in_context,
                         max_turns_in_context=cfg.model.max_turns_in_context)
 
@@ -161,18 +157,15 @@ def play(argv: list[str]) -> None:
     """Plays maze episodes against the server (the evaluator's endpoint mode); one seed writes its GIF."""
     parser = CommandLineParser(prog="python -m services.evaluator play",
                                      description="Play full maze episodes against an OpenAI-compatible server.")
-    parser.add_argument("--config", default=None)
-    parser.add_argument("--base-url", default=os.environ.get("SERVER_URL", "http://127.0.0.1:8000"))
+    add_config_arguments(parser)
+    parser.add_argument("--base-url", default=None,
+                        help="the server (default: server.url, from SERVER_URL, else http://127.0.0.1:<server.port>)")
     parser.add_argument("--model-name", default=None, help="base or base:adapter (default: the profile's base model)")
     parser.add_argument("--seed", type=int, default=None, help="play this one maze and write its GIF")
     parser.add_argument("--out", default="play", help="folder for the GIF / results")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        sys.exit(str(exc))
-    engine = endpoint_engine(cfg, args.base_url, args.model_name)
+    cfg = config_from_args(args)
+    engine = endpoint_engine(cfg, args.base_url or cfg.server.url or f"http://127.0.0.1:{cfg.server.port}", args.model_name)
     try:
         engine.check()
     except ConnectionError as exc:
@@ -201,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         return play(argv[1:])
     parser = CommandLineParser(prog="python -m services.evaluator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    add_config_arguments(parser)
     parser.add_argument("--run", default=None, type=run_id_arg,
                         help="run id: evaluate its latest export; output under runs/<run>/evals/")
     parser.add_argument("--name", default=None, type=run_id_arg, help="evaluation name (folder under runs/<run>/evals/)")
@@ -219,12 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--watch", metavar="RUN_ID", type=run_id_arg, help="evaluate every new complete export of a run")
     parser.add_argument("--once", action="store_true", help="with --watch: one pass, then exit")
     parser.add_argument("--poll", type=float, default=30.0, help="with --watch: seconds between passes")
-    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        sys.exit(str(exc))
+    cfg = config_from_args(args)
     if args.seeds == "extended":
         if not cfg.env.extended_eval_seeds:
             sys.exit("error: --seeds extended: this profile sets no env.extended_eval_seeds")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shared.maze.core import Maze, generate
 from shared.maze.render import render_rgb, save_gif
-from shared.storage import atomic_write_text, read_jsonl
+from shared.storage.files import atomic_write_text, read_jsonl
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;background:#fafafa}

@@ -5,6 +5,7 @@
     python -m services.exporter --run RUN --watch      # export new steps as they appear
     python -m services.exporter list                   # adapters in S3: id, run, step, solve rate, size, age
     python -m services.exporter s3-up | s3-down        # the local S3-compatible endpoint (make s3-up/s3-down)
+    python -m services.exporter adopt --run RUN        # seal the exports of a SkyRL run made outside services.trainer
 
 With neither AWS_ENDPOINT_URL nor S3_URI set, a local S3-compatible server is started on loopback.
 """
@@ -15,10 +16,10 @@ import argparse
 import sys
 import time
 
-from shared.config import CommandLineParser, ConfigError, load_config
-from shared.storage import check_adapter_id
+from shared.config import CommandLineParser, config_from_args
+from shared.storage.ids import check_adapter_id
 
-COMMANDS = ("export", "list", "s3-up", "s3-down")
+COMMANDS = ("export", "list", "s3-up", "s3-down", "adopt")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -33,16 +34,34 @@ def print_table(rows: list[dict]) -> None:
         print(f"{name:<36} {r['run'] or '-':<16} {r['step'] if r['step'] is not None else '-':>5} {rate:>10} {r['size']:>10} {age:>8}")
 
 
+def adopt(cfg, run_id: str, settle_s: float) -> None:
+    """Seals (writes the manifest of) each settled export SkyRL left without one, so readers can use it."""
+    from shared.storage.skyrl_exports import adopt_settled_exports
+    from shared.storage.volume import SharedVolume, complete_exports
+
+    volume = SharedVolume(cfg.shared_path())
+    sealed, settling = adopt_settled_exports(volume, run_id, settle_s)
+    for step in sealed:
+        print(f"sealed {volume.export(run_id, step)}")
+    for step in settling:
+        print(f"not yet: {volume.export(run_id, step)} changed in the last {settle_s:g} s (still being written?); "
+              "run adopt again later")
+    if not sealed and not settling:
+        print(f"nothing to adopt: every export of {run_id} with its adapter files already has a manifest "
+              f"({len(complete_exports(volume, run_id))} complete)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLineParser(prog="python -m services.exporter", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="export", help="export (default), list, s3-up or s3-down")
+    parser.add_argument("command", nargs="?", default="export", help="export (default), list, s3-up, s3-down or adopt")
     parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
     parser.add_argument("--run", default=None, help="run id whose exports to stage (default: the profile's run_id)")
     parser.add_argument("--alias", default=None, help="also publish the chosen step under this adapter id")
     parser.add_argument("--pick", choices=["best", "latest"], default="best", help="which step the alias points at")
     parser.add_argument("--watch", action="store_true", help="keep exporting new steps as they appear")
     parser.add_argument("--poll", type=float, default=30.0, help="seconds between --watch passes")
+    parser.add_argument("--settle", type=float, default=60.0, help="adopt: seconds an export's files must be unchanged")
     parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
     args = parser.parse_args(argv)
     if "=" in args.command:  # no command given: the first positional is a config override
@@ -55,18 +74,18 @@ def main(argv: list[str] | None = None) -> None:
             value is None or check_adapter_id(value, f"{flag} value")
         except ValueError as exc:
             parser.error(str(exc))
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        sys.exit(str(exc))
+    cfg = config_from_args(args)
 
     from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import BotoCoreError, ClientError
 
     from services.exporter.export import Exporter, adapter_table
-    from shared import local_s3
     from shared.adapters import AdapterStore
+    from shared.storage import local_s3
 
+    if args.command == "adopt":
+        adopt(cfg, args.run or cfg.run_id, args.settle)
+        return
     if args.command == "s3-up":
         state = local_s3.up(cfg.shared_path())
         print(f"local S3 endpoint up: AWS_ENDPOINT_URL={state['endpoint_url']} S3_URI={state['s3_uri']}")

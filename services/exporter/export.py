@@ -16,8 +16,10 @@ from pathlib import Path
 
 from boto3.s3.transfer import TransferConfig
 
-from shared.adapters import ADAPTER_FILES, AdapterNotFound, AdapterStore
-from shared.storage import MANIFEST, SharedVolume, check_adapter_id, complete_exports, sha256_file
+from shared.adapters import AdapterNotFound, AdapterStore
+from shared.storage.ids import check_adapter_id
+from shared.storage.manifest import MANIFEST, sha256_file
+from shared.storage.volume import ADAPTER_FILES, SharedVolume, complete_exports
 
 TRANSFER = TransferConfig(multipart_threshold=8 * 1024 * 1024, multipart_chunksize=8 * 1024 * 1024, max_concurrency=4)
 

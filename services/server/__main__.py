@@ -19,7 +19,7 @@ import time
 
 import yaml
 
-from shared.config import add_config_arguments, config_from_args
+from shared.config import add_config_arguments, config_from_args, reveal
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = config_from_args(args, [f"server.port={args.port}"] if args.port else [])
 
-    api_key = os.environ.get("SERVER_API_KEY") or None
+    api_key = reveal(cfg.server.api_key)
     host = args.host or cfg.server.host
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: no SERVER_API_KEY set, so binding to 127.0.0.1 instead of {host}", file=sys.stderr)
@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> None:
 
         enter_loopback(keep_port=cfg.server.port if host not in ("127.0.0.1", "localhost", "::1") else None)
     if not cfg.storage.s3_uri:
-        from shared.local_s3 import resolve_s3
+        from shared.storage.local_s3 import resolve_s3
 
         cfg = resolve_s3(cfg)
-    from shared.storage import SharedVolume
+    from shared.storage.volume import SharedVolume
 
     model_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
     if args.dry_run:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 def serve_vllm(cfg, host: str, api_key: str | None, dry_run: bool) -> None:
     """Validates and (unless dry_run) runs the Ray Serve LLM app until interrupted."""
     from services.server.llm import EngineStartError, run, serve_config, validate
-    from shared.storage import SharedVolume
+    from shared.storage.volume import SharedVolume
 
     try:
         config = serve_config(cfg)

@@ -10,7 +10,8 @@ import re
 from pathlib import Path
 
 from shared.config import RunConfig
-from shared.storage import SharedVolume
+from shared.storage.s3 import endpoint_credentials
+from shared.storage.volume import SharedVolume
 
 IMPORT_PATH = "ray.serve.llm:build_openai_app"
 INGRESS = "services.server.llm_ingress:MazeIngress"
@@ -29,6 +30,7 @@ def llm_config(cfg: RunConfig) -> dict:
     env_vars = {"AWS_REGION": cfg.cluster.region or "us-east-1"}
     if cfg.storage.aws_endpoint_url:
         env_vars["AWS_ENDPOINT_URL"] = cfg.storage.aws_endpoint_url  # Ray's LoRA loader reads S3 through it
+        env_vars.update(endpoint_credentials(cfg.storage.aws_endpoint_url))  # an S3-compatible server's, if none set
     config = {
         "model_loading_config": {
             "model_id": cfg.model.base_model_id,

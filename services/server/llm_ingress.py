@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import os
 from typing import Any
 
 from fastapi import Request
@@ -36,7 +35,8 @@ from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 from services.server.llm import cause_line
 from services.server.request_rules import MIN_TEMPERATURE
 from shared.adapters import AdapterNotFound, AdapterStore
-from shared.storage import check_adapter_id
+from shared.config import from_environment
+from shared.storage.ids import check_adapter_id
 
 
 class Rejected(Exception):
@@ -70,7 +70,7 @@ class MazeIngress(OpenAiIngress):
                  limits: dict | None = None, s3_uri: str | None = None, endpoint_url: str | None = None,
                  cache_dir: str | None = None, **kwargs):
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths, **kwargs)
-        self.api_key = api_key or os.environ.get("SERVER_API_KEY") or None
+        self.api_key = api_key or from_environment("server.api_key")
         self.limits = dict(limits or {})
         self.base_id = next(iter(model_cards))
         self.store = AdapterStore(s3_uri, endpoint_url, cache_dir) if s3_uri else None

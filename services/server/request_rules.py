@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shared.storage import check_adapter_id
+from shared.storage.ids import check_adapter_id
 
 # Sampling at a temperature this close to 0 divides logits into inf/NaN; 0 itself means greedy.
 MIN_TEMPERATURE = 0.01

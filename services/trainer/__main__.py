@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.config import DEFAULT_CONFIG, ConfigError, load_config
+from shared.config import DEFAULT_CONFIG, ConfigError, add_config_arguments, config_from_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     submitting = argv[:1] == ["submit"]
     parser = argparse.ArgumentParser(prog="python -m services.trainer" + (" submit" if submitting else ""),
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    add_config_arguments(parser)
     parser.add_argument("--backend", choices=["local", "skyrl"], default=None, help="override the profile's backend")
     parser.add_argument("--dry-run", action="store_true",
                         help="skyrl: print SkyRL's overrides (validated by SkyRL where it is installed) and the command, run nothing")
@@ -33,13 +33,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--force", action="store_true", help="submit even if the HyperPod preflight finds a mismatch")
         parser.add_argument("--no-follow", action="store_true", help="return after submitting instead of streaming logs")
         parser.add_argument("--timeout", type=float, default=None, help="stop following after this many seconds")
-    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides, e.g. schedule.total_steps=5")
     args = parser.parse_intermixed_args(argv[1:] if submitting else argv)
-    overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as exc:
-        sys.exit(str(exc))
+    backend = [f"backend={args.backend}"] if args.backend else []
+    cfg = config_from_args(args, backend)
+    overrides = list(args.overrides) + backend
 
     if submitting:
         from services.trainer.submit import PreflightError, submit
@@ -68,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         enter_loopback()  # the in-process Ray listens on loopback only (re-runs this command once)
     from services.trainer.run_lock import RunLock, RunLocked
     from shared.models.engine import ModelLoadError
-    from shared.storage import SharedVolume
+    from shared.storage.volume import SharedVolume
 
     try:
         with RunLock(SharedVolume(cfg.shared_path()).run(cfg.run_id), warn=lambda m: print(m, file=sys.stderr)):

@@ -39,16 +39,8 @@ from shared.evaluation import (
 )
 from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
 from shared.models.engine import LocalEngine, TrainingSample, collate, token_logprobs
-from shared.storage import (
-    LATEST_STEP_FILE,
-    SharedVolume,
-    append_jsonl,
-    atomic_write_text,
-    latest_complete_step,
-    read_jsonl,
-    staged_dir,
-    step_dirs,
-)
+from shared.storage.files import append_jsonl, atomic_write_text, read_jsonl, staged_dir
+from shared.storage.volume import LATEST_STEP_FILE, SharedVolume, latest_complete_step, step_dirs
 
 # ---- the math ---------------------------------------------------------------------------------------
 
@@ -430,8 +422,7 @@ class Trainer:
         else:
             from shared.local_ray import init_local_ray
 
-            port = int(os.environ.get("RAY_METRICS_EXPORT_PORT", "0")) or None
-            init_local_ray(_metrics_export_port=port, **quiet)
+            init_local_ray(_metrics_export_port=self.cfg.cluster.metrics_export_port, **quiet)
 
     def _sync(self, model, workers, step: int) -> None:
         """Writes the adapter to lora_sync/ atomically and has every worker load it."""

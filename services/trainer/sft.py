@@ -29,7 +29,9 @@ from shared.maze.session import MazeSession
 from shared.models.chat import assistant_turn, user_turn
 from shared.models.engine import LocalEngine, TrainingSample, collate, encode_conversation, load_model, token_logprobs
 from shared.models.tiny import ensure_tiny_model
-from shared.storage import SharedVolume, is_complete, staged_dir
+from shared.storage.files import staged_dir
+from shared.storage.manifest import is_complete
+from shared.storage.volume import SharedVolume
 
 
 def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:

@@ -9,8 +9,9 @@
 `skyrl_overrides` maps our config onto SkyRL's (`SkyRLTrainConfig.from_cli_overrides`); the run writes
 its train/val data files from our tickets and eval set, registers our skyrl-gym env and runs SkyRL's
 `BasePPOExp` inside a Ray task, as SkyRL's own entrypoints do. SkyRL's checkpoint and export layout
-(`ckpts/global_step_N`, `exports/global_step_N/policy`) is our shared-volume contract, so the evaluator
-and exporter read its output unchanged. `skyrl` is imported only inside functions.
+(`ckpts/global_step_N`, `exports/global_step_N/policy`) is our shared-volume contract; SkyRL writes no
+`manifest.json`, so the trainer it runs here seals each export right after SkyRL's `save_models` writes it
+(`sealing_experiment`), and the evaluator and exporter read it unchanged. `skyrl` is imported only inside functions.
 
 The solve rate of a SkyRL run is `eval/all/environment/solved` (shared.evaluation.SKYRL_SOLVE_RATE_METRIC),
 never `eval/all/pass_at_1`: SkyRL counts an episode as passed when its reward is above 0, and under
@@ -30,7 +31,9 @@ from shared.config import REPO_ROOT, RunConfig
 from shared.evaluation import SKYRL_SOLVE_RATE_METRIC
 from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training, parse_seeds
 from shared.maze.skyrl_env import ENV_CLASS, register_env
-from shared.storage import SharedVolume, atomic_write_text
+from shared.storage.files import atomic_write_text
+from shared.storage.skyrl_exports import seal_export
+from shared.storage.volume import SharedVolume
 
 
 def _skyrl_pin() -> str:
@@ -285,15 +288,41 @@ def preflight(cfg: RunConfig) -> dict:
     return report
 
 
+def sealing_experiment():
+    """Returns SkyRL's `BasePPOExp` with one change: its trainer seals each LoRA export once written.
+
+    SkyRL's `save_models` returns after its rank 0 has written `exports/global_step_N/policy/` whole (under a
+    temporary name, then renamed); the manifest written then is what every reader of the volume waits for.
+    """
+    from skyrl.train.entrypoints.main_base import BasePPOExp
+    from skyrl.train.trainer import RayPPOTrainer
+
+    class SealingTrainer(RayPPOTrainer):
+        def save_models(self):
+            super().save_models()
+            policy = Path(self.cfg.trainer.export_path) / f"global_step_{self.global_step}" / "policy"
+            seal_export(policy, "by the skyrl backend, after SkyRL's save_models")
+
+    class SealingPPOExp(BasePPOExp):
+        trainer_class = SealingTrainer
+
+        def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
+                        generator, colocate_pg):
+            return self.trainer_class(cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset,
+                                  eval_dataset=eval_dataset, inference_engine_client=inference_engine_client,
+                                  generator=generator, colocate_pg=colocate_pg)
+
+    return SealingPPOExp
+
+
 def run(cfg: RunConfig) -> None:
     """Runs SkyRL's BasePPOExp inside a Ray task (needs GPUs, Python >= 3.12 and `skyrl[fsdp]`)."""
     ray, skyrl_cfg = _set_up(cfg)
-    from skyrl.train.entrypoints.main_base import BasePPOExp
 
     # SkyRL's trainer loop is a 1-CPU task: on HyperPod it lands on a GPU worker (the head advertises no CPUs).
     @ray.remote(num_cpus=1)
     def entrypoint(config):
         register_env()  # the task's process needs the env registered too
-        BasePPOExp(config).run()
+        sealing_experiment()(config).run()
 
     ray.get(entrypoint.remote(skyrl_cfg))

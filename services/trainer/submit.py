@@ -14,7 +14,8 @@ import shlex
 import time
 
 from shared.config import REPO_ROOT, RunConfig
-from shared.storage import SharedVolume, atomic_write_json
+from shared.storage.files import atomic_write_json
+from shared.storage.volume import SharedVolume
 
 FORWARDED_ENV = ("SHARED_DIR", "S3_URI", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "HF_HUB_OFFLINE")
 # Variables SkyRL's `initialize_ray` forwards itself from the driver's environment into its own
@@ -35,8 +36,8 @@ def describe_hyperpod(cluster_name: str, region: str | None = None, endpoint_url
     """Returns {instance_groups: [...], nodes: [...]} for a HyperPod cluster, via the SageMaker SDK."""
     import boto3
 
-    session = boto3.session.Session(region_name=region or os.environ.get("AWS_REGION") or "us-east-1")
-    client = session.client("sagemaker", endpoint_url=endpoint_url or os.environ.get("SAGEMAKER_ENDPOINT_URL"))
+    session = boto3.session.Session(region_name=region or "us-east-1")
+    client = session.client("sagemaker", endpoint_url=endpoint_url)
     try:
         from sagemaker.core.helper.session_helper import Session as SageMakerSession
 
@@ -148,7 +149,7 @@ def submit(cfg: RunConfig, config_path: str, overrides: list[str], force: bool =
         raise SystemExit("no cluster address: set RAY_ADDRESS (http://head:8265 or sagemaker_ray://<cluster>/<namespace>)")
     if address.startswith("sagemaker_ray://") and not force:
         cluster_name = cfg.cluster.hyperpod_cluster or address[len("sagemaker_ray://"):].split("/")[0]
-        problems = check_cluster(cfg, describe_hyperpod(cluster_name, cfg.cluster.region))
+        problems = check_cluster(cfg, describe_hyperpod(cluster_name, cfg.cluster.region, cfg.cluster.sagemaker_endpoint_url))
         if problems:
             raise PreflightError("HyperPod preflight failed: " + "; ".join(problems) + " (use --force to submit anyway)")
         log(f"preflight: HyperPod cluster {cluster_name} matches the config")

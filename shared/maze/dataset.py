@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.maze.core import Maze, generate, optimal_action_count
-from shared.storage import atomic_write_json
+from shared.storage.files import atomic_write_json
 
 
 def parse_seeds(spec: str) -> list[int]:

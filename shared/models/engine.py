@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from shared.models.chat import ASSISTANT_HEADER, END_OF_TURN, images_of, limit_context
-from shared.storage import ManifestError, verify_manifest
+from shared.storage.manifest import ManifestError, verify_manifest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from shared.config import RunConfig, add_config_arguments, config_from_args
 from shared.models.chat import QWEN3VL_CHAT_TEMPLATE
-from shared.storage import SharedVolume, is_complete, staged_dir
+from shared.storage.files import staged_dir
+from shared.storage.manifest import is_complete
+from shared.storage.volume import SharedVolume
 
 PATCH_SIZE = 16
 MERGE_SIZE = 1  # one patch per maze cell: the merged token is the patch itself

@@ -22,7 +22,7 @@ from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorker
 from skyrl.backends.skyrl_train.workers.model_wrapper import HFModelWrapper
 from skyrl.train.config import FSDPConfig
 
-from services.trainer.skyrl_backend import skyrl_overrides
+from services.trainer.skyrl_backend import skyrl_config, skyrl_overrides
 from shared.config import load_config
 from shared.models.engine import LocalEngine, attach_adapter, load_model
 
@@ -100,3 +100,59 @@ def test_a_regex_target_arrives_as_characters_and_peft_refuses_it(tmp_path, tiny
     assert written["target_modules"] == list(OLD_REGEX)
     with pytest.raises(Exception):  # noqa: B017 - whichever error PEFT raises, the adapter does not load
         PeftModel.from_pretrained(load_model(tiny_model_dir)[0], str(ckpt_adapter))
+
+
+class StrategyDispatch:
+    """SkyRL's WorkerDispatch reduced to one process: `save_hf_model` goes to the FSDP strategy's own writer,
+    as SkyRL's policy worker does (`Worker.save_hf_model` -> `strategy.save_hf_model`) on each GPU."""
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+
+    def save_hf_model(self, model: str, export_dir: str, tokenizer) -> None:
+        assert model == "policy"
+        FSDPStrategy(fsdp_config=FSDPConfig()).save_hf_model(self.wrapper, export_dir, tokenizer)
+
+
+def skyrl_trainer(trainer_class, cfg, wrapper, step: int):
+    """SkyRL's trainer with what its `save_models` reads: the run's SkyRL config, the step and the dispatch."""
+    trainer = object.__new__(trainer_class)
+    trainer.cfg = skyrl_config(cfg)
+    trainer.global_step, trainer.tokenizer, trainer.dispatch = step, None, StrategyDispatch(wrapper)
+    return trainer
+
+
+def test_the_skyrl_backend_seals_each_export_skyrl_writes(tmp_path, tiny_model_dir):
+    """SkyRL's own `save_models` writes exports/global_step_N/policy/ with no manifest; the trainer the skyrl backend
+    runs seals it right away, so the evaluator and exporter take it. SkyRL's plain trainer leaves it unsealed: the
+    readers skip it, writing nothing, and name the command that adopts it."""
+    from skyrl.train.trainer import RayPPOTrainer
+
+    from services.trainer.skyrl_backend import sealing_experiment
+    from shared.storage.manifest import MANIFEST, verify_manifest
+    from shared.storage.volume import SharedVolume, complete_exports
+
+    cfg = load_config(REPO / "configs/tiny-cpu.yaml", [f"storage.shared_dir={tmp_path}", "backend=skyrl",
+                      "cluster.num_workers=1", "cluster.num_engines=2", "algorithm.micro_batch_size=8",
+                      "algorithm.advantage_estimator=grpo"], environ={})
+    volume = SharedVolume(tmp_path)
+    wrapper = skyrl_policy(tiny_model_dir, cfg.lora.target_modules)
+    skyrl_trainer(sealing_experiment().trainer_class, cfg, wrapper, 20).save_models()
+    skyrl_trainer(RayPPOTrainer, cfg, wrapper, 40).save_models()
+
+    sealed = volume.export(cfg.run_id, 20)
+    manifest = verify_manifest(sealed)
+    assert set(manifest["files"]) == {p.name for p in sealed.iterdir() if p.name != MANIFEST}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(manifest["files"])
+    unsealed = volume.export(cfg.run_id, 40)
+    assert (unsealed / "adapter_model.safetensors").is_file() and not (unsealed / MANIFEST).exists()
+
+    warnings = []
+    assert complete_exports(volume, cfg.run_id, warn=warnings.append) == [(20, sealed)]
+    assert not (unsealed / MANIFEST).exists(), "reading the volume wrote nothing"
+    assert len(warnings) == 1 and "services.exporter adopt --run tiny-cpu" in warnings[0]
+    # The sealed export is what the evaluator loads: one greedy reply through our engine with SkyRL's adapter.
+    base, processor = load_model(tiny_model_dir)
+    reply = LocalEngine(attach_adapter(base, sealed), processor, max_images_in_context=1).generate(
+        [[{"role": "user", "content": "which way?"}]], max_new_tokens=3)[0]
+    assert reply.error is None and reply.token_ids

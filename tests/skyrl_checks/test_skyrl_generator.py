@@ -29,7 +29,7 @@ from shared.maze.actions import format_action
 from shared.maze.core import MazeEpisode
 from shared.maze.render import render_rgb
 from shared.maze.skyrl_env import register_env
-from shared.storage import SharedVolume
+from shared.storage.volume import SharedVolume
 
 REPO = Path(__file__).resolve().parents[2]
 SEEDS = [0, 1, 2, 3]
