@@ -86,6 +86,16 @@ def test_compare(evaluation, tmp_path):
     assert proc.returncode == 0
     page = (tmp_path / "compare.html").read_text()
     assert page.count("<tr><td>") == 64 and "only A: []" in page
+    assert "played identically: 64/64" in proc.stdout and "played identically: 64/64" in page
+    # One reply changed in one episode: that episode no longer counts as identical, whatever its outcome.
+    other = tmp_path / "b"
+    shutil.copytree(out, other)
+    episodes = [json.loads(line) for line in (other / "episodes.jsonl").read_text().splitlines()]
+    episodes[5]["steps"][0]["text"] += " "
+    (other / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in episodes))
+    proc = subprocess.run([sys.executable, "-m", "services.evaluator", "--compare", str(out), str(other), "--out",
+                           str(tmp_path / "cmp")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "played identically: 63/64" in proc.stdout
 
 
 def test_watch_evaluates_each_export_once(exported_run, tiny_model_dir):

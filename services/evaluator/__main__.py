@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare:
         out = Path(args.out or ".")
         try:
-            print(f"wrote {write_comparison(args.compare[0], args.compare[1], out)}")
+            path, line = write_comparison(args.compare[0], args.compare[1], out)
+            print(f"{line}\nwrote {path}")
         except (OSError, ValueError, KeyError) as exc:
             sys.exit(f"error: cannot compare {args.compare[0]} and {args.compare[1]} into {out}: {exc}")
         return

@@ -81,16 +81,26 @@ def write_report(folder: Path, title: str | None = None) -> Path:
     return path
 
 
-def write_comparison(a: Path, b: Path, out: Path) -> Path:
-    """Writes out/compare.html: which mazes each of two evaluations solves, side by side."""
+def write_comparison(a: Path, b: Path, out: Path) -> tuple[Path, str]:
+    """Writes out/compare.html: which mazes each of two evaluations solves, side by side.
+
+    Returns the page and a one-line summary, which counts the episodes played identically (the same reply at
+    every turn): what a change that must not alter behaviour shows as 64/64 on the same checkpoint.
+    """
     def load(folder: Path):
         return json.loads((folder / "summary.json").read_text()), {r["seed"]: r for r in read_jsonl(folder / "episodes.jsonl")}
+
+    def replies(record):
+        return [step["text"] for step in record["steps"]]
 
     (sa, ea), (sb, eb) = load(a), load(b)
     seeds = sorted(set(ea) | set(eb))
     both = sum(ea.get(s, {}).get("solved", False) and eb.get(s, {}).get("solved", False) for s in seeds)
     only_a = [s for s in seeds if ea.get(s, {}).get("solved") and not eb.get(s, {}).get("solved")]
     only_b = [s for s in seeds if eb.get(s, {}).get("solved") and not ea.get(s, {}).get("solved")]
+    identical = sum(s in ea and s in eb and replies(ea[s]) == replies(eb[s]) for s in seeds)
+    line = (f"A solved {sa['solved']}/{sa['total']}, B solved {sb['solved']}/{sb['total']}; both {both}; "
+            f"only A: {only_a}; only B: {only_b}; played identically: {identical}/{len(seeds)}")
 
     def cell(record):
         if record is None:
@@ -101,11 +111,10 @@ def write_comparison(a: Path, b: Path, out: Path) -> Path:
     page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>compare</title><style>{STYLE}</style></head><body>"
         f"<h1>A: {html.escape(str(a))}<br>B: {html.escape(str(b))}</h1>"
-        f"<p>A solved {sa['solved']}/{sa['total']}, B solved {sb['solved']}/{sb['total']}; both {both}; "
-        f"only A: {only_a}; only B: {only_b}</p>"
+        f"<p>{html.escape(line)}</p>"
         f"<table class='compare'><tr><th>seed</th><th>A</th><th>B</th></tr>{rows}</table></body></html>"
     )
     out.mkdir(parents=True, exist_ok=True)
     path = out / "compare.html"
     atomic_write_text(path, page)
-    return path
+    return path, line
