@@ -227,7 +227,6 @@ ENV_OVERRIDES = {
     "SHARED_DIR": "storage.shared_dir",
     "S3_URI": "storage.s3_uri",
     "AWS_ENDPOINT_URL": "storage.aws_endpoint_url",
-    "AWS_REGION": "cluster.region",
     "RAY_ADDRESS": "cluster.ray_address",
     "SAGEMAKER_ENDPOINT_URL": "cluster.sagemaker_endpoint_url",
     "SERVER_URL": "server.url",
@@ -235,14 +234,19 @@ ENV_OVERRIDES = {
     "GRAFANA_URL": "dashboards.grafana_url",
     "GRAFANA_TOKEN": "dashboards.grafana_token",
     "PROMETHEUS_URL": "dashboards.prometheus_url",
+    "RAY_METRICS_EXPORT_PORT": "cluster.metrics_export_port",
 }
+# Variables that fill a key only where the profile leaves it unset: a shell's usual AWS_REGION must not move a
+# profile's cluster to another region.
+ENV_FALLBACKS = {"AWS_REGION": "cluster.region"}
+SECRET_KEYS = {"server.api_key", "dashboards.grafana_token"}
 
 
 def from_environment(key: str, environ: dict | None = None) -> str | None:
     """Returns the environment's value for a config key (through ENV_OVERRIDES), for code that runs without a
     config: a Ray Serve replica built from a deploy file, which must not hold the API key."""
     environ = os.environ if environ is None else environ
-    variable = next(name for name, dotted in ENV_OVERRIDES.items() if dotted == key)
+    variable = next(name for name, dotted in {**ENV_OVERRIDES, **ENV_FALLBACKS}.items() if dotted == key)
     return environ.get(variable) or None
 
 
@@ -266,8 +270,8 @@ def _describe(error: dict) -> str:
             section = field.annotation if field is not None else section
         allowed = ", ".join(sorted(section.model_fields)) if isinstance(section, type) else "see configs/"
         return f"config error: unknown key {key!r}; allowed keys here: {allowed}"
-    value = error.get("input")
-    return f"config error: {key} = {value!r} is invalid: {error['msg']}"
+    value = "(hidden)" if key in SECRET_KEYS else repr(error.get("input"))
+    return f"config error: {key} = {value} is invalid: {error['msg']}"
 
 
 def parse_config(tree: dict) -> RunConfig:
@@ -321,12 +325,17 @@ def load_config(
     for variable, dotted in ENV_OVERRIDES.items():
         if environ.get(variable):
             _set_path(tree, dotted, environ[variable])
+    for variable, dotted in ENV_FALLBACKS.items():
+        section, field = dotted.split(".")
+        node = tree.get(section)
+        if environ.get(variable) and not (isinstance(node, dict) and node.get(field) is not None):
+            _set_path(tree, dotted, environ[variable])
     for item in overrides or []:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"config error: override {item!r} is not key.path=value (e.g. rollout.temperature=0.5)")
         try:
-            value = yaml.safe_load(raw) if raw else ""
+            value = raw if key.strip() in SECRET_KEYS else yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError:
             value = raw
         _set_path(tree, key.strip(), value)

@@ -9,7 +9,16 @@ import pytest
 import yaml
 from pydantic import SecretStr
 
-from shared.config import ENV_OVERRIDES, ConfigError, dump_config, from_environment, load_config, parse_config, reveal
+from shared.config import (
+    ENV_FALLBACKS,
+    ENV_OVERRIDES,
+    ConfigError,
+    dump_config,
+    from_environment,
+    load_config,
+    parse_config,
+    reveal,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,12 +55,14 @@ def test_env_and_cli_overrides(tmp_path):
 
 
 def test_every_environment_variable_sets_its_key_and_secrets_are_never_written(tmp_path):
-    environ = {name: f"value-of-{name}" for name in ENV_OVERRIDES} | {"SHARED_DIR": str(tmp_path)}
+    variables = {**ENV_OVERRIDES, **ENV_FALLBACKS}
+    environ = {name: f"value-of-{name}" for name in variables} | {"SHARED_DIR": str(tmp_path),
+                                                                  "RAY_METRICS_EXPORT_PORT": "9101"}
     cfg = load_config(None, environ=environ)
-    for name, key in ENV_OVERRIDES.items():
+    for name, key in variables.items():
         section, field = key.split(".")
         value = getattr(getattr(cfg, section), field)
-        assert (reveal(value) if isinstance(value, SecretStr) else value) == environ[name], name
+        assert str(reveal(value) if isinstance(value, SecretStr) else value) == environ[name], name
         assert from_environment(key, environ) == environ[name]
     written = dump_config(cfg)
     assert "value-of-SERVER_API_KEY" not in written and "value-of-GRAFANA_TOKEN" not in written
@@ -59,16 +70,33 @@ def test_every_environment_variable_sets_its_key_and_secrets_are_never_written(t
     assert reveal(load_config(None, environ={}).server.api_key) is None
 
 
+def test_a_secret_is_read_as_text_and_never_echoed_in_an_error():
+    cfg = load_config(None, ["server.api_key=123456789", "dashboards.grafana_token=007"], environ={})
+    assert (reveal(cfg.server.api_key), reveal(cfg.dashboards.grafana_token)) == ("123456789", "007")
+    with pytest.raises(ConfigError) as error:
+        parse_config({"server": {"api_key": ["sk-do-not-print"]}})
+    assert "server.api_key" in str(error.value) and "sk-do-not-print" not in str(error.value)
+
+
+def test_aws_region_fills_the_region_only_where_the_profile_sets_none():
+    environ = {"AWS_REGION": "eu-central-1"}
+    assert load_config(REPO / "configs/qwen3vl-8b-hyperpod.yaml", environ=environ).cluster.region == "us-west-2"
+    assert load_config(None, environ=environ).cluster.region == "eu-central-1"
+    assert load_config(None, ["cluster.region=ap-south-1"], environ=environ).cluster.region == "ap-south-1"
+
+
 def test_no_service_reads_an_environment_variable_outside_the_schema():
-    """Variables the services read go through ENV_OVERRIDES; forwarding the AWS/HF credential chain to Ray
-    workers and SkyRL's own variables are the only other reads."""
-    allowed = {"services/server/__main__.py": ["k.startswith"], "services/trainer/submit.py": ["FORWARDED_ENV", "SKYRL_FORWARDS"],
-               "services/trainer/skyrl_backend.py": ["HF_HUB_OFFLINE"]}
+    """Variables the services read go through ENV_OVERRIDES; the other touches of the environment forward it:
+    the AWS/HF credential chain to Ray Serve's workers, FORWARDED_ENV to a submitted job, and what a SkyRL
+    worker sees of HF_HUB_OFFLINE (reported by the preflight)."""
+    allowed = {"services/server/__main__.py": ['k.startswith(("AWS_", "HF_"))'],
+               "services/trainer/submit.py": ["environ = os.environ if environ is None else environ"],
+               "services/trainer/skyrl_backend.py": ['"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE")']}
     reads = []
     for path in sorted((REPO / "services").rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if re.search(r"os\.environ\.get|os\.getenv|os\.environ\[", line) and not any(
+            if re.search(r"os\.environ|getenv|from os import", line) and not any(
                     word in line for word in allowed.get(rel, [])):
                 reads.append(f"{rel}:{number}: {line.strip()}")
     assert not reads, reads

@@ -251,3 +251,30 @@ def test_gpu_and_cpu_differ_only_in_accelerator_settings(tmp_path):
     assert cpu["lora_config"]["dynamic_lora_loading_path"] == "s3://bucket/prefix/adapters"
     no_kv = dry_run("server.accelerator=cpu", "server.kv_cache_bytes=null")
     assert no_kv.returncode != 0 and no_kv.stderr.strip().splitlines()[-1].startswith("error: server.accelerator=cpu needs")
+
+
+def test_the_vllm_apps_s3_settings_reach_its_workers(monkeypatch, tmp_path):
+    """Ray's LoRA loader and the ingress read S3 in Ray workers: the endpoint, the region and (for an S3-compatible
+    server, when the environment has none) placeholder credentials travel in the app's config, not this process's
+    environment."""
+    from services.server.llm import app_args
+    from shared.config import load_config
+    from shared.storage.s3 import LOCAL_CREDENTIALS
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    cfg = load_config(None, [f"storage.shared_dir={tmp_path}", "cluster.region=eu-west-1"],
+                      environ={"S3_URI": "s3://b/p", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    args = app_args(cfg)
+    env_vars = args["llm_configs"][0]["runtime_env"]["env_vars"]
+    assert env_vars == {"AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://127.0.0.1:9", **LOCAL_CREDENTIALS}
+    ingress = args["ingress_cls_config"]["ingress_extra_kwargs"]
+    assert (ingress["endpoint_url"], ingress["region"]) == ("http://127.0.0.1:9", "eu-west-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "mine")
+    own = app_args(cfg)["llm_configs"][0]["runtime_env"]["env_vars"]
+    assert "AWS_ACCESS_KEY_ID" not in own, "credentials of one's own are never copied into the app config"
+    aws = load_config(None, [f"storage.shared_dir={tmp_path}"], environ={"S3_URI": "s3://b/p"})
+    assert "AWS_ENDPOINT_URL" not in app_args(aws)["llm_configs"][0]["runtime_env"]["env_vars"]

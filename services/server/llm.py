@@ -79,6 +79,7 @@ def ingress_config(cfg: RunConfig, api_key: str | None) -> dict:
                        "max_new_tokens": server.max_new_tokens, "max_lora_rank": server.max_lora_rank},
             "s3_uri": cfg.storage.s3_uri,
             "endpoint_url": cfg.storage.aws_endpoint_url,
+            "region": cfg.cluster.region,
         },
     }
 

@@ -68,12 +68,12 @@ def _authorized(method):
 class MazeIngress(OpenAiIngress):
     def __init__(self, llm_deployments, model_cards, *, lora_paths=None, api_key: str | None = None,
                  limits: dict | None = None, s3_uri: str | None = None, endpoint_url: str | None = None,
-                 cache_dir: str | None = None, **kwargs):
+                 cache_dir: str | None = None, region: str | None = None, **kwargs):
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths, **kwargs)
         self.api_key = api_key or from_environment("server.api_key")
         self.limits = dict(limits or {})
         self.base_id = next(iter(model_cards))
-        self.store = AdapterStore(s3_uri, endpoint_url, cache_dir) if s3_uri else None
+        self.store = AdapterStore(s3_uri, endpoint_url, cache_dir, region=region) if s3_uri else None
 
     # ---- rules ---------------------------------------------------------------------------------------
 

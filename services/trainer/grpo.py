@@ -3,7 +3,7 @@
 Rollout workers (Ray actors) hold the base model and the live LoRA; the learner (this process) holds the
 same base with a trainable LoRA. After each update the learner writes the adapter atomically to
 `runs/<id>/lora_sync/` and the workers load it before the next step, as the reference's engines do.
-Every artifact follows the shared-volume contract (shared/storage.py); kill it at any moment and it resumes from the last
+Every artifact follows the shared-volume contract (shared/storage/); kill it at any moment and it resumes from the last
 complete checkpoint, reproducing the uninterrupted run (rollout seeds depend only on seed and step).
 """
 

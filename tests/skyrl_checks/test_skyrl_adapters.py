@@ -122,7 +122,7 @@ def skyrl_trainer(trainer_class, cfg, wrapper, step: int):
     return trainer
 
 
-def test_the_skyrl_backend_seals_each_export_skyrl_writes(tmp_path, tiny_model_dir):
+def test_the_skyrl_backend_seals_each_export_skyrl_writes(tmp_path, tiny_model_dir, monkeypatch):
     """SkyRL's own `save_models` writes exports/global_step_N/policy/ with no manifest; the trainer the skyrl backend
     runs seals it right away, so the evaluator and exporter take it. SkyRL's plain trainer leaves it unsealed: the
     readers skip it, writing nothing, and name the command that adopts it."""
@@ -136,8 +136,19 @@ def test_the_skyrl_backend_seals_each_export_skyrl_writes(tmp_path, tiny_model_d
                       "cluster.num_workers=1", "cluster.num_engines=2", "algorithm.micro_batch_size=8",
                       "algorithm.advantage_estimator=grpo"], environ={})
     volume = SharedVolume(tmp_path)
+    experiment = sealing_experiment()
+    # The experiment the backend runs builds this trainer where SkyRL's BasePPOExp builds its own.
+    built = {}
+    monkeypatch.setattr(RayPPOTrainer, "__init__", lambda self, **kwargs: built.update(kwargs))
+    made = experiment.get_trainer(object.__new__(experiment), **{name: name for name in (
+        "cfg", "tracker", "tokenizer", "train_dataset", "eval_dataset", "inference_engine_client", "generator",
+        "colocate_pg")})
+    assert type(made) is experiment.trainer_class and issubclass(made.__class__, RayPPOTrainer)
+    assert built == {name: name for name in built} and len(built) == 8
+    monkeypatch.undo()
+
     wrapper = skyrl_policy(tiny_model_dir, cfg.lora.target_modules)
-    skyrl_trainer(sealing_experiment().trainer_class, cfg, wrapper, 20).save_models()
+    skyrl_trainer(experiment.trainer_class, cfg, wrapper, 20).save_models()
     skyrl_trainer(RayPPOTrainer, cfg, wrapper, 40).save_models()
 
     sealed = volume.export(cfg.run_id, 20)
