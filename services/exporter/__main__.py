@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-from shared.config import CommandLineParser, config_from_args
+from shared.config import CommandLineParser, add_config_arguments, config_from_args
 from shared.storage.ids import check_adapter_id
 
 COMMANDS = ("export", "list", "s3-up", "s3-down", "adopt")
@@ -37,7 +37,7 @@ def print_table(rows: list[dict]) -> None:
 def adopt(cfg, run_id: str, settle_s: float) -> None:
     """Seals (writes the manifest of) each settled export SkyRL left without one, so readers can use it."""
     from shared.storage.skyrl_exports import adopt_settled_exports
-    from shared.storage.volume import SharedVolume, complete_exports
+    from shared.storage.volume import SharedVolume
 
     volume = SharedVolume(cfg.shared_path())
     sealed, settling = adopt_settled_exports(volume, run_id, settle_s)
@@ -47,22 +47,20 @@ def adopt(cfg, run_id: str, settle_s: float) -> None:
         print(f"not yet: {volume.export(run_id, step)} changed in the last {settle_s:g} s (still being written?); "
               "run adopt again later")
     if not sealed and not settling:
-        print(f"nothing to adopt: every export of {run_id} with its adapter files already has a manifest "
-              f"({len(complete_exports(volume, run_id))} complete)")
+        print(f"nothing to adopt: every export of {run_id} with its adapter files already has a manifest")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLineParser(prog="python -m services.exporter", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="export", help="export (default), list, s3-up, s3-down or adopt")
-    parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml)")
+    add_config_arguments(parser)
     parser.add_argument("--run", default=None, help="run id whose exports to stage (default: the profile's run_id)")
     parser.add_argument("--alias", default=None, help="also publish the chosen step under this adapter id")
     parser.add_argument("--pick", choices=["best", "latest"], default="best", help="which step the alias points at")
     parser.add_argument("--watch", action="store_true", help="keep exporting new steps as they appear")
     parser.add_argument("--poll", type=float, default=30.0, help="seconds between --watch passes")
     parser.add_argument("--settle", type=float, default=60.0, help="adopt: seconds an export's files must be unchanged")
-    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
     args = parser.parse_args(argv)
     if "=" in args.command:  # no command given: the first positional is a config override
         args.overrides.insert(0, args.command)

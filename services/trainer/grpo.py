@@ -457,16 +457,17 @@ class Trainer:
             pairs.append(("held-out", *(self.volume.eval(run_id, f"global_step_{s}") for s in (steps[0], steps[-1]))))
         if extended_dirs:
             pairs.append(("extended", *extended_dirs))
-        comparisons = {}
+        comparisons, extended = {}, None
         for kind, before, after in pairs:
             comparison = compare_evals(before, after)
             comparisons[f"{kind} {comparison['before']['total']}"] = comparison
+            if kind == "extended":
+                extended = comparison
         result = {"run_id": run_id, "steps": steps[-1] if steps else 0, "wall_s": round(wall_s, 1), **data,
                   "first_eval": history[steps[0]]["solve_rate"] if steps else None,
                   "final_eval": history[steps[-1]]["solve_rate"] if steps else None,
                   "curve": {str(s): history[s]["solve_rate"] for s in steps}, "comparisons": comparisons}
         if steps:
-            extended = next((c for name, c in comparisons.items() if name.startswith("extended")), None)
             points = extended and {
                 "label": f"extended {extended['before']['total']} mazes",
                 "ceiling": extended["after"]["oracle_solved"] / extended["after"]["total"],

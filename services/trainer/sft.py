@@ -25,7 +25,6 @@ from shared.evaluation import describe, evaluate
 from shared.maze.core import Maze, solve
 from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
 from shared.maze.prompt import solver_reply
-from shared.maze.session import MazeSession
 from shared.models.chat import assistant_turn, user_turn
 from shared.models.engine import LocalEngine, TrainingSample, collate, encode_conversation, load_model, token_logprobs
 from shared.models.tiny import ensure_tiny_model
@@ -39,7 +38,7 @@ def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
     turn protocol (`MazeSession`) every rollout goes through."""
     from PIL import Image
 
-    session = MazeSession.for_env(maze, cfg.env)
+    session = EpisodeSettings.from_config(cfg).session(maze)
     text, picture = session.start()
     messages = [user_turn(text, Image.fromarray(picture))]
     for action in [("move", d) for d in solve(maze)] + [("stop", "stop")]:

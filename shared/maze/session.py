@@ -50,12 +50,6 @@ class MazeSession:
     def __post_init__(self) -> None:
         self.episode = MazeEpisode(self.maze, self.max_turns)
 
-    @classmethod
-    def for_env(cls, maze: Maze, env=_ENV_DEFAULTS, max_turns: int | None = None) -> MazeSession:
-        """Returns a session with an `env` config section's turn budget, cell size and conversation style."""
-        return cls(maze, max_turns or env.max_turns, env.cell_px,
-                   PromptStyle(env.prompt_style, env.response_format, env.action_style))
-
     def start(self) -> tuple[str, np.ndarray]:
         """Returns the first user turn: the task prompt's text and the maze picture (RGB)."""
         return self.style.task_prompt(self.maze), render_rgb(self.maze, self.cell_px)

@@ -118,6 +118,7 @@ class LocalEngine:
         tokenizer = processor.tokenizer
         self.stop_ids = [tokenizer.convert_tokens_to_ids(END_OF_TURN), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
         self.pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        self.vision_start_id = tokenizer.convert_tokens_to_ids("<|vision_start|>")
         # A reply must never contain vision placeholders: an <|image_pad|> in a reply would shift every image
         # feature of the training batch that replays it ("Image features and image tokens do not match").
         vision = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
@@ -262,9 +263,8 @@ class LocalEngine:
         length = 0
         while length < shortest - 1 and all(r[length] == rows[0][length] for r in rows):
             length += 1
-        vision_start = self.processor.tokenizer.convert_tokens_to_ids("<|vision_start|>")
-        if vision_start in rows[0][:length]:
-            length = rows[0].index(vision_start)
+        if self.vision_start_id in rows[0][:length]:
+            length = rows[0].index(self.vision_start_id)
         return length if length >= MIN_SHARED_PREFIX else 0
 
     def _prefix_kv(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from shared.net import wait_for_http
-from shared.storage.s3 import split_s3_uri
+from shared.storage.s3 import s3_client, split_s3_uri
 
 DEFAULT_BUCKET = "maze-grpo"
 
@@ -46,8 +46,6 @@ def start_server(port: int | None = None, log_path: Path | None = None) -> tuple
 
 
 def ensure_bucket(endpoint_url: str, bucket: str) -> None:
-    from shared.storage.s3 import s3_client
-
     client = s3_client(endpoint_url)
     existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
     if bucket not in existing:
