@@ -6,18 +6,19 @@ Numbers are medians of repeated runs; comparisons are measured side by side in o
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import platform
 import sys
 import time
 from pathlib import Path
 
+from shared.config import command_line
+
 HERE = Path(__file__).resolve().parent
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser = command_line("python -m bench", __doc__, config=False)
     parser.add_argument("names", nargs="*", help="only these benchmarks (e.g. maze rollout)")
     args = parser.parse_args(argv)
     scripts = sorted(p.stem for p in HERE.glob("bench_*.py"))

@@ -9,7 +9,6 @@ project version, the git commit and `latest`, carries OCI labels, and its size i
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import subprocess
@@ -17,6 +16,8 @@ import sys
 import time
 import tomllib
 from pathlib import Path
+
+from shared.config import command_line
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -230,8 +231,7 @@ def prune_superseded(client, repo: str, keep) -> int:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python docker/build.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line("python docker/build.py", __doc__, config=False)
     parser.add_argument("--only", default="", help="comma-separated image names (default: all CPU images)")
     parser.add_argument("--gpu", action="store_true", help="also build the GPU images (trainer, server)")
     parser.add_argument("--base-image", default="", help="base of the CPU images (default: the official python image "

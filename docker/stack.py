@@ -13,7 +13,6 @@ that fails its health check takes everything this call started down with it. The
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from shared.config import command_line
 
 COMPOSE_FILE = Path(__file__).resolve().parent / "compose.yaml"
 PROJECT = "maze-grpo"
@@ -348,8 +349,7 @@ def down(project: str = PROJECT, volumes: bool = False, log=print) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python docker/stack.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line("python docker/stack.py", __doc__, config=False)
     parser.add_argument("command", choices=["up", "down"])
     parser.add_argument("services", nargs="*", help="up: only these services (and what they depend on)")
     parser.add_argument("--project", default=os.environ.get("COMPOSE_PROJECT_NAME", PROJECT))

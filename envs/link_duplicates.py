@@ -10,11 +10,12 @@ links nothing new. Both venvs must be on one filesystem (else it says so and cha
 
 from __future__ import annotations
 
-import argparse
 import filecmp
 import os
 import sys
 from pathlib import Path
+
+from shared.config import command_line
 
 SHARED_TREES = ("nvidia", "triton")  # the big, Python-version-independent parts of torch's wheels
 
@@ -50,8 +51,7 @@ def link_duplicates(target: Path, source: Path, trees=SHARED_TREES) -> tuple[int
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python envs/link_duplicates.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line("python envs/link_duplicates.py", __doc__, config=False)
     parser.add_argument("target", type=Path, help="the venv whose copies become links (e.g. .venv-skyrl)")
     parser.add_argument("source", type=Path, help="the venv that keeps its files (e.g. .venv)")
     args = parser.parse_args(argv)

@@ -65,10 +65,10 @@ class AdapterStore:
             for common in page.get("CommonPrefixes", []):
                 adapter_id = common["Prefix"][len(self.prefix) + 1 :].strip("/")
                 try:
-                    self.client.head_object(Bucket=self.bucket, Key=self.key(adapter_id, MANIFEST))
+                    self.manifest_etag(adapter_id)
                     ids.append(adapter_id)
-                except Exception:
-                    continue
+                except AdapterNotFound:
+                    continue  # a folder without its manifest: an upload in progress, not an adapter yet
         return sorted(ids)
 
     def manifest_etag(self, adapter_id: str) -> str:

@@ -61,6 +61,9 @@ class EnvConfig(Section):
         "and the final policy on (greedy), for a low-noise gain with confidence intervals; null: skip")
     sft_seed_start: int = Field(1_000_000, ge=0, description="first seed of the SFT warm start's mazes")
     rl_seed_start: int = Field(2_000_000, ge=0, description="first seed of GRPO's mazes (a stream disjoint from SFT's)")
+    rl_num_mazes: int | None = Field(
+        None, ge=1, description="GRPO re-feeds its first N mazes, in order, every step it needs mazes (a fixed "
+        "handful: the check that the loop can fit what it trains on); null: fresh mazes every step")
     train_solvable_only: bool = Field(
         False, description="GRPO skips training mazes a perfect agent cannot solve in max_turns (never rewarded)")
 
@@ -78,13 +81,23 @@ class AlgorithmConfig(Section):
         "grpo", description="gigpo adds a step-level advantage over turns taken from the same state; branch "
         "splits GRPO's advantage over the turns where a group's episodes branch (both local backend only)")
     step_advantage_weight: float = Field(1.0, ge=0, description="gigpo: weight of the step-level advantage")
+    decision_weights: Literal["policy", "uniform"] = Field(
+        "policy", description="rollout.strategy=greedy_branch: weigh each compared reply by its probability under the "
+        "policy (the expected policy gradient over the replies) or equally (GRPO over them)")
+    decision_weight_floor: float = Field(0.1, ge=0, le=1, description="greedy_branch, policy weights: the least weight "
+                                         "a compared reply gets (keeps a push on a rare reply that wins)")
     gamma: float = Field(0.95, gt=0, le=1, description="gigpo: discount of the return each turn is credited with")
+    branch_key: Literal["turn_state", "state"] = Field(
+        "turn_state", description="branch: key a group's values on (turn, maze position) or on the position alone "
+        "(an episode that wasted a turn stays comparable with its group)")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     eps_clip_low: float = Field(0.2, gt=0)
     eps_clip_high: float = Field(0.2, gt=0)
     std_normalize: bool = True
-    loss_reduction: Literal["token_mean", "sequence_mean"] = "token_mean"
+    loss_reduction: Literal["token_mean", "token_mean_signal", "sequence_mean"] = Field(
+        "token_mean", description="token_mean and sequence_mean as SkyRL's: over every sample of a mini-batch's maze "
+        "groups, zero advantage included; token_mean_signal: over the samples that carry a signal only")
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -99,11 +112,26 @@ class RolloutConfig(Section):
     n_samples_per_prompt: int = Field(8, ge=1)
     temperature: float = Field(0.7, ge=0)
     eval_temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    eval_samples: int = Field(8, ge=0, description="the local trainer's sampled eval of warm start and final policy on "
+                              "the extended set: samples per maze at rollout.temperature (mean@k, pass@k); 0 or 1: none")
     max_new_tokens: int = Field(24, ge=1)
     num_workers: int = Field(1, ge=1, description="Ray rollout actors")
     batched: bool = Field(True, description="generate for all live episodes of a worker at once")
     engine: Literal["transformers", "vllm"] = Field(
         "transformers", description="vllm: vLLM from .venv-vllm (make vllm-env) in a Ray actor, LoRA re-read from lora_sync/ each step")
+    strategy: Literal["sample", "greedy_branch"] = Field(
+        "sample", description="sample: n_samples_per_prompt episodes per maze at `temperature`; greedy_branch: each "
+        "maze's greedy episode, plus branches that change one of its decisions and play on greedily (see branch_*)")
+    branch_turns: int = Field(4, ge=0, description="greedy_branch: the turns per maze where the policy's best other "
+                              "action is most likely get a branch (0: none, only the step-back branches)")
+    branch_actions: int = Field(1, ge=1, le=4, description="greedy_branch: other actions tried at each of those turns")
+    branch_min_prob: float = Field(0.0, ge=0, le=1, description="greedy_branch: a turn branches only where its best "
+                                   "other action has at least this probability")
+    branch_step_back: bool = Field(True, description="greedy_branch: also undo each move that left a junction, on the "
+                                   "next turn (a step back out of a side branch)")
+    max_error_fraction: float = Field(
+        0.0, ge=0, le=1, description="share of a step's episodes the engine may fail (they are never trained on) "
+        "before the run stops; 0: any failure stops it")
 
 
 class ScheduleConfig(Section):
@@ -142,7 +170,10 @@ class StorageConfig(Section):
 
 class ClusterConfig(Section):
     ray_address: str | None = Field(None, description="RAY_ADDRESS: http://head:8265 or sagemaker_ray://cluster/ns")
-    hyperpod_cluster: str | None = None
+    hyperpod_cluster: str | None = Field(None, description="the SageMaker HyperPod cluster (the preflight describes it)")
+    ray_cluster: str | None = Field(None, description="the RayCluster resource (its metadata.name) on the HyperPod EKS "
+                                    "cluster: what a sagemaker_ray://<ray_cluster>/<ray_namespace> address names")
+    ray_namespace: str = Field("default", description="the Kubernetes namespace of that RayCluster")
     region: str | None = Field(None, description="AWS_REGION: the region of the cluster, S3 and SageMaker calls")
     sagemaker_endpoint_url: str | None = Field(
         None, description="SAGEMAKER_ENDPOINT_URL: a SageMaker API endpoint other than AWS's (null: AWS's own)")
@@ -299,7 +330,106 @@ def parse_config(tree: dict) -> RunConfig:
     if cfg.backend == "skyrl" and algo.advantage_estimator != "grpo":
         raise ConfigError(f"config error: algorithm.advantage_estimator = {algo.advantage_estimator!r} runs on the "
                           "local backend only; SkyRL's GRPO has no turn-level advantage: use grpo with backend=skyrl")
+    if cfg.backend == "skyrl" and rollout.strategy != "sample":
+        raise ConfigError(f"config error: rollout.strategy = {rollout.strategy!r} runs on the local backend only; SkyRL "
+                          "samples n_samples_per_prompt episodes per maze: use rollout.strategy=sample with backend=skyrl")
+    if cfg.backend == "skyrl" and algo.loss_reduction == "token_mean_signal":
+        raise ConfigError("config error: algorithm.loss_reduction = 'token_mean_signal' is the local backend's own; "
+                          "SkyRL knows token_mean and sequence_mean")
     return cfg
+
+
+def check_trainable(cfg: RunConfig) -> None:
+    """Raises ConfigError (one line, with the fix) for settings under which no training step can have a gradient."""
+    from shared.maze.core import fewest_actions
+
+    algo, rollout, env = cfg.algorithm, cfg.rollout, cfg.env
+    if rollout.strategy == "greedy_branch":
+        if algo.advantage_estimator != "grpo":
+            raise ConfigError(f"config error: algorithm.advantage_estimator = {algo.advantage_estimator!r} credits turns "
+                              "within sampled groups; rollout.strategy = 'greedy_branch' compares each changed decision "
+                              "with the anchor's at that turn: use algorithm.advantage_estimator=grpo")
+    elif rollout.n_samples_per_prompt < 2:
+        raise ConfigError(f"config error: rollout.n_samples_per_prompt = {rollout.n_samples_per_prompt} gives each maze "
+                          f"a group of one, and algorithm.advantage_estimator = {algo.advantage_estimator!r} scores an "
+                          "episode against its maze's other episodes: no step would have a gradient; use "
+                          "rollout.n_samples_per_prompt >= 2 (the recipe: 8)")
+    if rollout.temperature == 0 and rollout.strategy == "sample":
+        raise ConfigError("config error: rollout.temperature = 0 plays every sample of a maze greedily, so a group's "
+                          "episodes are identical and every advantage is 0; use a temperature above 0 (the recipe: 0.7)")
+    if env.reward == "task" and env.max_turns < fewest_actions(env.id):
+        raise ConfigError(f"config error: env.max_turns = {env.max_turns} is below the {fewest_actions(env.id)} actions "
+                          f"every {env.id} maze needs (corner to corner, then stop): under env.reward = 'task' no "
+                          "episode can be rewarded; raise env.max_turns (the recipe: 15) or use env.reward=task_progress")
+
+
+# Keys that never change what a training step computes: where files go, how often they are written and scored, how
+# long the run is, and the sections of the other services.
+UNTRAINED_KEYS = ("run_id", "storage.", "server.", "dashboards.", "cluster.", "schedule.total_steps",
+                  "rollout.max_error_fraction", "rollout.eval_samples",
+                  "schedule.eval_interval", "schedule.eval_before_train", "schedule.ckpt_interval",
+                  "schedule.max_ckpts_to_keep", "schedule.hf_save_interval", "schedule.resume_mode")
+# Keys that change how an evaluation plays (beside which policy it scores).
+EVAL_KEYS = ("model.max_images_in_context", "model.max_turns_in_context", "model.dtype", "env.max_turns",
+             "env.cell_px", "env.response_format", "env.action_style", "env.prompt_style", "env.eval_env",
+             "env.eval_seeds", "env.extended_eval_seeds", "rollout.eval_temperature", "rollout.max_new_tokens")
+
+
+def flat_settings(cfg: RunConfig) -> dict[str, Any]:
+    """Returns every setting as {dotted key: value} (secrets left out)."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(cfg.model_dump(mode="json"), "")
+    return flat
+
+
+def training_settings(cfg: RunConfig) -> dict[str, Any]:
+    """Returns the settings that decide what training computes (everything but UNTRAINED_KEYS)."""
+    def untrained(key: str) -> bool:
+        return any(key.startswith(u) if u.endswith(".") else key == u for u in UNTRAINED_KEYS)
+
+    return {k: v for k, v in flat_settings(cfg).items() if not untrained(k)}
+
+
+# Keys that decide what the SFT warm start (services/trainer/sft.py) builds.
+SFT_KEYS = ("seed", "sft.", "model.tiny_name", "model.max_images_in_context", "model.max_turns_in_context",
+            "model.dtype", "env.id", "env.max_turns", "env.cell_px", "env.response_format", "env.action_style",
+            "env.prompt_style", "env.sft_seed_start")
+
+
+def sft_settings(cfg: RunConfig) -> dict[str, Any]:
+    """Returns the settings that decide the SFT warm start (SFT_KEYS)."""
+    return {k: v for k, v in flat_settings(cfg).items() if any(k.startswith(u) if u.endswith(".") else k == u
+                                                               for u in SFT_KEYS)}
+
+
+def eval_settings(cfg: RunConfig) -> dict[str, Any]:
+    """Returns the settings that decide how an evaluation plays (EVAL_KEYS)."""
+    flat = flat_settings(cfg)
+    return {k: flat[k] for k in EVAL_KEYS}
+
+
+def settings_hash(settings: dict[str, Any]) -> str:
+    """Returns a short, stable digest of a settings dict."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Returns 'key (old -> new)' for every key whose value differs between two settings dicts."""
+    keys = sorted(set(recorded) | set(current))
+    missing = object()
+    return [f"{k} ({recorded.get(k, 'unset')!r} -> {current.get(k, 'unset')!r})" for k in keys
+            if recorded.get(k, missing) != current.get(k, missing)]
 
 
 def load_config(
@@ -352,6 +482,15 @@ class CommandLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def command_line(prog: str, description: str | None = None, config: bool = True) -> CommandLineParser:
+    """Returns the parser every command starts from: a bad argument is one line and exit status 2, the module's
+    docstring is its --help, and (with `config`) it takes --config plus key.path=value overrides."""
+    parser = CommandLineParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if config:
+        add_config_arguments(parser)
+    return parser
 
 
 def add_config_arguments(parser) -> None:

@@ -31,6 +31,7 @@ class EpisodeSettings:
     prompt_style: str = _ENV.prompt_style
     temperature: float = _ROLLOUT.eval_temperature
     max_new_tokens: int = _ROLLOUT.max_new_tokens
+    reward: str = _ENV.reward  # what an evaluation's pass_at_1 counts (reward above 0); play itself ignores it
 
     @classmethod
     def from_config(cls, cfg, temperature: float | None = None) -> EpisodeSettings:
@@ -42,6 +43,7 @@ class EpisodeSettings:
             prompt_style=cfg.env.prompt_style,
             temperature=cfg.rollout.eval_temperature if temperature is None else temperature,
             max_new_tokens=cfg.rollout.max_new_tokens,
+            reward=cfg.env.reward,
         )
 
     def style(self) -> PromptStyle:
@@ -86,6 +88,17 @@ class Episode:
     def format_rate(self) -> float:
         return self.session.format_rate()
 
+    def take(self, completion, keep_samples: bool = False) -> None:
+        """Plays one reply (a Completion: the engine's, or one forced on the episode) and appends the next user turn."""
+        if keep_samples:
+            self.samples.append((list(self.messages), completion))
+        result = self.session.step(completion.text)
+        self.turns.append({"text": result.text, "action": list(result.action) if result.action else None,
+                           "feedback": result.feedback, "position": list(result.position)})
+        self.messages.append(assistant_turn(completion.text))
+        if not result.done:
+            self.messages.append(user_turn(result.feedback, Image.fromarray(result.picture)))
+
     def record(self) -> dict:
         """Returns the JSON line `episodes.jsonl` holds for this episode."""
         return {
@@ -102,28 +115,58 @@ class Episode:
         }
 
 
-def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samples: bool = False,
-                 seed: int | None = None, progress=None, batched: bool = True) -> list[Episode]:
-    """Plays every maze to the end; returns the episodes in input order.
-
-    `batched=False` sends one conversation per engine call (one episode at a time).
-    `seed` makes sampling reproducible: turn t of this call samples with seed + t.
-    """
+def start_episodes(mazes: list[Maze], settings: EpisodeSettings) -> list[Episode]:
+    """Returns a fresh episode per maze: the task prompt and the maze picture, nothing played yet."""
     episodes = []
     for maze in mazes:
         session = settings.session(maze)
         text, picture = session.start()
         episodes.append(Episode(session=session, messages=[user_turn(text, Image.fromarray(picture))]))
-    turn = 0
+    return episodes
+
+
+def solver_episode(maze: Maze, settings: EpisodeSettings) -> Episode:
+    """Returns the episode a perfect agent plays on `maze`: the solver's replies through the same turn protocol
+    every rollout goes through (what the SFT warm start learns from, and what teacher-forced scores follow)."""
+    from shared.maze.core import solve
+    from shared.maze.prompt import solver_reply
+    from shared.models.engine import Completion
+
+    episode = start_episodes([maze], settings)[0]
+    for action in [("move", d) for d in solve(maze)] + [("stop", "stop")]:
+        if episode.session.done:
+            break
+        reply = solver_reply(episode.session.episode.view(), action, settings.response_format, settings.action_style)
+        episode.take(Completion(reply, []), keep_samples=True)
+        if episode.turns[-1]["action"] != list(action):
+            raise RuntimeError(f"the solver's reply {reply!r} reads as {episode.turns[-1]['action']}, not {action}")
+    return episode
+
+
+def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samples: bool = False,
+                 seed: int | None = None, progress=None, batched: bool = True) -> list[Episode]:
+    """Plays every maze to the end; returns the episodes in input order.
+
+    `batched=False` sends one conversation per engine call (one episode at a time).
+    `seed` makes sampling reproducible: episode i samples turn t with its own seed (`episode_seed`), so what an
+    episode plays does not depend on which others share its batch.
+    """
+    return play_episodes(engine, start_episodes(mazes, settings), settings, keep_samples, seed, progress, batched)
+
+
+def play_episodes(engine, episodes: list[Episode], settings: EpisodeSettings, keep_samples: bool = False,
+                  seed: int | None = None, progress=None, batched: bool = True) -> list[Episode]:
+    """Plays episodes (fresh, or already some turns in) to the end with the engine; returns them, in order."""
+    rounds = 0
     while True:
-        live = [e for e in episodes if not e.session.done]
+        live = [(i, e) for i, e in enumerate(episodes) if not e.session.done]
         if not live:
             break
-        groups = [live] if batched else [[e] for e in live]
-        for group_index, group in enumerate(groups):
-            call_seed = None if seed is None else seed * 1_000_003 + turn * 1009 + group_index
+        for batch in [live] if batched else [[one] for one in live]:
+            group = [e for _, e in batch]
+            seeds = None if seed is None else [episode_seed(seed, i, len(e.turns)) for i, e in batch]
             try:
-                completions = engine.generate([e.messages for e in group], settings.temperature, settings.max_new_tokens, call_seed)
+                completions = engine.generate([e.messages for e in group], settings.temperature, settings.max_new_tokens, seeds)
             except Exception as exc:  # an engine failure ends these episodes, scored failed, and the run goes on
                 for e in group:
                     e.error = f"{type(exc).__name__}: {exc}"
@@ -134,19 +177,13 @@ def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samp
                     e.error = completion.error  # this maze is scored failed, with the reason kept
                     e.episode.done = True
                     continue
-                _apply(e, completion, keep_samples)
-        turn += 1
+                e.take(completion, keep_samples)
+        rounds += 1
         if progress is not None:
-            progress(turn, sum(e.session.done for e in episodes), len(episodes))
+            progress(rounds, sum(e.session.done for e in episodes), len(episodes))
     return episodes
 
 
-def _apply(e: Episode, completion, keep_samples: bool) -> None:
-    if keep_samples:
-        e.samples.append((list(e.messages), completion))
-    result = e.session.step(completion.text)
-    e.turns.append({"text": result.text, "action": list(result.action) if result.action else None,
-                    "feedback": result.feedback, "position": list(result.position)})
-    e.messages.append(assistant_turn(completion.text))
-    if not result.done:
-        e.messages.append(user_turn(result.feedback, Image.fromarray(result.picture)))
+def episode_seed(seed: int, episode: int, turn: int) -> int:
+    """Returns the sampling seed of one episode's turn in a seeded call of `run_episodes`."""
+    return seed * 1_000_003 + episode * 1009 + turn

@@ -171,3 +171,15 @@ if __name__ == "__main__":
         watch(int(sys.argv[2]))
     else:
         sys.exit("usage: python -m shared.local_ray watch PARENT_PID")
+
+
+def worker_log() -> str:
+    """Returns where this Ray worker's stderr goes (its `worker-*-<pid>.err`), or Ray's log folder; '' outside Ray."""
+    try:
+        import ray
+
+        logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    except Exception:  # not in a Ray worker (or a Ray without that layout): nothing to point at
+        return ""
+    found = sorted(logs.glob(f"worker-*-{os.getpid()}.err"))
+    return str(found[0] if found else logs)

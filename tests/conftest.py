@@ -22,6 +22,25 @@ except importlib.metadata.PackageNotFoundError:
     collect_ignore = ["skyrl_checks"]
 
 
+# `make test` sets this where it could install every dependency (root with apt): a skipped test there is a missing
+# install step, not a machine without the tool, and fails the run.
+REQUIRE_ALL = "MAZE_GRPO_REQUIRE_ALL_TESTS"
+_skipped: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _skipped and os.environ.get(REQUIRE_ALL) == "1":
+        print(f"\n{len(_skipped)} tests skipped where `make test` installs what they need ({REQUIRE_ALL}=1): "
+              "a missing install step, so the run fails:\n  " + "\n  ".join(_skipped))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture(scope="session")
 def shared_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("shared")

@@ -35,7 +35,12 @@ def test_tiny_default_run_id():
 
 def test_hyperpod_profile_carries_the_reference_recipe():
     cfg = load_config(REPO / "configs/qwen3vl-8b-hyperpod.yaml", environ={})
-    assert (cfg.lora.rank, cfg.algorithm.lr, cfg.rollout.temperature) == (32, 1e-6, 0.7)
+    # LoRA at 10x the example's full fine-tune rate (SkyRL's LoRA guide), two optimizer updates per step of 24 mazes,
+    # replies served as long as training lets them be.
+    assert (cfg.lora.rank, cfg.algorithm.lr, cfg.rollout.temperature) == (32, 1e-5, 0.7)
+    assert (cfg.rollout.train_batch_size // cfg.algorithm.mini_batch_size, cfg.server.max_new_tokens) == (
+        2, cfg.rollout.max_new_tokens)
+    assert (cfg.cluster.ray_cluster, cfg.cluster.ray_namespace) == ("maze-grpo", "default")
     assert (cfg.rollout.n_samples_per_prompt, cfg.env.max_turns, cfg.env.reward) == (8, 15, "task_format")
     assert (cfg.schedule.eval_interval, cfg.schedule.ckpt_interval, cfg.schedule.hf_save_interval) == (10, 20, 20)
     assert cfg.schedule.resume_mode == "latest" and not cfg.algorithm.use_kl_loss

@@ -46,7 +46,7 @@ RUN_ID = "e2e"
 # A minimal run of the tiny profile: a short SFT warm start, 2 steps of 2 mazes x 2 samples, 4-turn episodes.
 MINIMAL = [
     f"run_id={RUN_ID}", "sft.num_mazes=200", "rollout.train_batch_size=2",
-    "rollout.n_samples_per_prompt=2", "env.max_turns=4", "env.eval_seeds=0-3", "env.extended_eval_seeds=4-7", "schedule.total_steps=2",
+    "rollout.n_samples_per_prompt=2", "env.max_turns=4", "env.reward=task_progress", "rollout.eval_samples=0", "env.eval_seeds=0-3", "env.extended_eval_seeds=4-7", "schedule.total_steps=2",
     "schedule.eval_interval=2", "schedule.ckpt_interval=2", "schedule.hf_save_interval=2", "lora.rank=4", "lora.alpha=8",
 ]
 CONFIG = ["--config", "configs/tiny-cpu.yaml"]

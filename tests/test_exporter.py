@@ -6,7 +6,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,14 @@ def test_export_alias_list_and_idempotence(exported_run, s3_endpoint, bucket):
     lines = listing.stdout.splitlines()
     assert lines[0].split()[:3] == ["adapter_id", "run", "step"]
     assert any(line.startswith("exp-run-step2") and "25.0%" in line for line in lines)
+    # Ages are counted in UTC: a local zone in daylight saving time does not add an hour.
+    from datetime import datetime
+    from zoneinfo import ZoneInfo
+
+    summer = next(z for z in ("Australia/Sydney", "Europe/Berlin") if datetime.now(ZoneInfo(z)).dst())
+    listing = _run(["list"], volume.root, s3_endpoint, bucket, extra_env={"TZ": summer})
+    ages = [line.split()[-1] for line in listing.stdout.splitlines()[1:] if line.split()]
+    assert ages and all("h" not in age for age in ages), (summer, ages)
 
 
 def test_incomplete_and_corrupt_exports(exported_run, s3_endpoint, bucket, tmp_path):
@@ -90,8 +100,11 @@ def test_incomplete_and_corrupt_exports(exported_run, s3_endpoint, bucket, tmp_p
 
 def test_wrong_base_and_bad_alias(exported_run, s3_endpoint, bucket):
     volume, run_id = exported_run
-    proc = _run(["--run", run_id, "model.base_model_id=another-model"], volume.root, s3_endpoint, bucket)
-    assert proc.returncode != 0 and "another-model" in proc.stdout
+    proc = _run(["--run", run_id, "model.path=another-model", "model.base_model_id=another-model"], volume.root,
+                s3_endpoint, bucket)
+    assert proc.returncode != 0
+    line = next(x for x in proc.stdout.splitlines() if "rejected" in x)
+    assert "'tiny-qwen3vl-sft'" in line and "'another-model'" in line, line
     proc = _run(["--run", run_id, "--alias", "../escape"], volume.root, s3_endpoint, bucket)
     assert proc.returncode != 0 and "'../escape'" in proc.stderr
 
@@ -183,3 +196,72 @@ def test_local_s3_endpoint_of_another_host_is_neither_used_nor_stopped(tmp_path)
                           text=True, env={**os.environ, "SHARED_DIR": str(tmp_path)}, timeout=120)
     assert proc.returncode != 0 and "started on host 'another-host': stop it there" in proc.stderr
     assert "Traceback" not in proc.stderr and path.exists()  # this process was not signalled, the record kept
+
+
+class _DenyingS3(BaseHTTPRequestHandler):
+    """An S3 stand-in that lists one adapter folder but refuses to show its manifest (403, as a bucket policy does)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name><Prefix>p/adapters/</Prefix>'
+                b"<KeyCount>1</KeyCount><IsTruncated>false</IsTruncated>"
+                b"<CommonPrefixes><Prefix>p/adapters/denied/</Prefix></CommonPrefixes></ListBucketResult>")
+        self.send_response(200)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_HEAD(self):
+        self.send_response(403)
+        self.end_headers()
+
+
+def test_listing_adapters_surfaces_errors_other_than_not_found(tmp_path):
+    """An adapter whose manifest S3 refuses to show (403, throttling) is an error to report, not a missing adapter."""
+    from botocore.exceptions import ClientError
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _DenyingS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = AdapterStore("s3://b/p", f"http://127.0.0.1:{server.server_port}", cache_dir=tmp_path)
+        with pytest.raises(ClientError, match="403"):
+            store.list()
+    finally:
+        server.shutdown()
+
+
+def test_an_adapter_names_its_base_by_the_path_it_was_loaded_from(exported_run, tiny_model_dir, s3_endpoint, bucket):
+    """SkyRL builds its policy with PEFT's get_peft_model, which records the folder the base was loaded from as
+    `base_model_name_or_path` (e.g. /shared/models/visgym-mixed-qwen3vl-8b). The exporter takes such an adapter when
+    that folder is the run's base model (by path, or by identical weights elsewhere) and refuses one for another."""
+    volume, run_id = exported_run
+    source = volume.export(run_id, 2)
+
+    def run_with_base(name: str, recorded: str) -> Path:
+        folder = volume.export(name, 2)
+        if not folder.exists():
+            with staged_dir(folder) as tmp:
+                for item in ("adapter_model.safetensors", "adapter_config.json"):
+                    shutil.copy(source / item, tmp / item)
+                config = json.loads((tmp / "adapter_config.json").read_text())
+                (tmp / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": recorded}))
+        return folder
+
+    run_with_base("loaded-here", str(tiny_model_dir))
+    copy = volume.model("tiny-copy")
+    if not copy.exists():
+        shutil.copytree(tiny_model_dir, copy)
+    base = [f"model.path={copy.name}", "model.base_model_id=tiny-qwen3vl-sft"]
+    same_files = _run(["--run", "loaded-here", *base], volume.root, s3_endpoint, bucket)
+    assert same_files.returncode == 0 and "loaded-here-step2: uploaded" in same_files.stdout, same_files.stdout
+    manifest = AdapterStore(bucket, s3_endpoint, cache_dir=volume.root / "cache-base").manifest("loaded-here-step2")
+    assert manifest["base_model"] == "tiny-qwen3vl-sft" and manifest["trained_on"] == str(tiny_model_dir)
+
+    run_with_base("elsewhere", "/shared/models/visgym-mixed-qwen3vl-8b")
+    other = _run(["--run", "elsewhere", *base], volume.root, s3_endpoint, bucket)
+    assert other.returncode != 0
+    line = next(x for x in other.stdout.splitlines() if "rejected" in x)
+    assert "'/shared/models/visgym-mixed-qwen3vl-8b'" in line and "'tiny-qwen3vl-sft'" in line and "tiny-copy" in line

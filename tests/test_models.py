@@ -291,3 +291,33 @@ def test_shared_decoder_cache_limit_never_drops_a_picture_in_use(tiny, monkeypat
     convs = [first_turn(1), first_turn(3), first_turn(4)]  # 1 is the oldest entry: a hit that must survive
     assert [c.token_ids for c in fast.generate(convs, 0.0, 4)] == [c.token_ids for c in reference.generate(convs, 0.0, 4)]
     assert len(fast._features) == 2
+
+
+def test_unseeded_sampling_leaves_the_process_random_state_alone(tiny):
+    model, processor = tiny
+    engine = LocalEngine(model, processor, max_images_in_context=1)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    engine.generate([_conversation(1)] * 2, temperature=1.0, max_new_tokens=3)
+    assert torch.equal(torch.rand(3), expected), "sampling without a seed re-seeded torch's global generator"
+
+
+def test_each_row_samples_from_its_own_seed(tiny):
+    model, processor = tiny
+    engine = LocalEngine(model, processor, max_images_in_context=1)
+    convs = [_conversation(1), _conversation(2), _conversation(1), _conversation(3)]
+    batch = engine.generate(convs, temperature=1.0, max_new_tokens=5, seed=[7, 8, 7, 9])
+    assert batch[0].token_ids == batch[2].token_ids, "two rows with one seed and one context draw alike"
+    alone = engine.generate([convs[1]], temperature=1.0, max_new_tokens=5, seed=[8])[0]
+    assert alone.token_ids == batch[1].token_ids, "a row's draw does not depend on the rows beside it"
+    assert [c.token_ids for c in engine.generate(convs, 1.0, 5, seed=7)] == \
+        [c.token_ids for c in engine.generate(convs, 1.0, 5, seed=[7, 8, 9, 10])], "an int seed means seed + index"
+
+
+def test_nucleus_keeps_the_smallest_set_holding_top_p():
+    from shared.models.engine import nucleus
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.9, 0.05, 0.03, 0.02]])
+    assert torch.allclose(nucleus(probs, 0.8), torch.tensor([[0.5, 0.3, 0.0, 0.0], [0.9, 0.0, 0.0, 0.0]]))
+    assert torch.equal(nucleus(probs, 1.0), probs)

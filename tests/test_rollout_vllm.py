@@ -54,15 +54,28 @@ def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_loc
         first_logprobs[step] = completion.logprobs[0]
     assert first_logprobs[2] != pytest.approx(first_logprobs[4], abs=1e-4), "the step-4 adapter was not loaded"
 
+    # Sampling: each request with its own seed (seed + index), so 8 copies of one prompt at T=1 are 8 draws,
+    # and the same seeds draw the same replies again.
+    prompt = run_episodes(engine, mazes[:1], EpisodeSettings(max_turns=1, cell_px=tiny_cfg.env.cell_px)
+                          )[0].messages[:1]
+    sampled = engine.generate([prompt] * 8, 1.0, 8, seed=5)
+    assert len({tuple(c.token_ids) for c in sampled}) > 1, [c.text for c in sampled]
+    assert [c.token_ids for c in engine.generate([prompt] * 8, 1.0, 8, seed=5)] == [c.token_ids for c in sampled]
+    assert [c.token_ids for c in engine.generate([prompt] * 2, 1.0, 8, seed=[5 + 3, 5 + 6])] == \
+        [sampled[3].token_ids, sampled[6].token_ids], "a request's draw depends on its own seed only"
+
 
 def test_a_grpo_run_rolls_out_through_vllm(tmp_path):
     from test_trainer import MINIMAL  # the 2-step run the trainer tests use
 
     env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "services.trainer", *MINIMAL, "run_id=vllm-rollout", "rollout.engine=vllm",
-                           "schedule.total_steps=2", "server.kv_cache_bytes=268435456"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1200)
+                           "schedule.total_steps=2", "rollout.n_samples_per_prompt=4", "server.kv_cache_bytes=268435456"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "runs" / "vllm-rollout" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["rollout/errors"] == 0 for m in metrics), metrics
     assert all(m["throughput/rollout_tokens_per_s"] > 0 for m in metrics)
+    # Sampled rollouts differ within a maze's group, so the steps train: not one group of identical replies.
+    assert all(m["train/active_samples"] > 0 for m in metrics) and sum(m["policy/updates"] for m in metrics) > 0, metrics

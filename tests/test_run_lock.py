@@ -15,8 +15,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["model.bootstrap=none", "run_id=dup", "schedule.total_steps=1000", "schedule.eval_before_train=false",
          "rollout.train_batch_size=2", "algorithm.mini_batch_size=1",
-         "rollout.n_samples_per_prompt=2", "env.max_turns=2", "env.eval_seeds=0-1", "env.extended_eval_seeds=null",
-         "rollout.max_new_tokens=4", "lora.rank=4", "lora.alpha=8", "schedule.ckpt_interval=1000",
+         "rollout.n_samples_per_prompt=2", "env.max_turns=2", "env.reward=task_progress", "env.eval_seeds=0-1", "env.extended_eval_seeds=null",
+         "rollout.max_new_tokens=7", "lora.rank=4", "lora.alpha=8", "schedule.ckpt_interval=1000",
          "schedule.hf_save_interval=1000", "schedule.eval_interval=0"]
 
 

@@ -241,3 +241,55 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_sampling_ranges_and_deep_bodies_are_refused_with_a_400(server):
+    url, *_ = server
+    deep = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "x": ' % BASE.encode()
+    cases = {
+        "top_p 3.0": (_post(url, {**_valid(0), "top_p": 3.0}), "top_p"),
+        "top_p 0": (_post(url, {**_valid(0), "top_p": 0}), "top_p"),
+        "temperature 2.5": (_post(url, {**_valid(0), "temperature": 2.5}), "temperature"),
+        "presence_penalty 9": (_post(url, {**_valid(0), "presence_penalty": 9}), "presence_penalty"),
+        "frequency_penalty 1 (not applied here)": (_post(url, {**_valid(0), "frequency_penalty": 1}), "frequency_penalty"),
+        "nested 20,000 deep": (_post(url, content=deep + b"[" * 20_000 + b"]" * 20_000 + b"}"), "nests"),
+        "nested 100 deep": (_post(url, content=deep + b"[" * 100 + b"]" * 100 + b"}"), "nests"),
+    }
+    for name, (response, word) in cases.items():
+        assert response.status_code == 400, (name, response.status_code, response.text[:300])
+        error = response.json()["error"]
+        assert word in error["message"] or word == error.get("param"), (name, error)
+    assert _post(url, {**_valid(0), "top_p": 0.9, "temperature": 1.0, "seed": 3}).status_code == 200
+
+
+def test_a_seeded_sample_does_not_depend_on_its_batch_neighbours(server):
+    url, *_ = server
+    body = {**_valid(1), "temperature": 1.0, "seed": 11, "max_tokens": 8}
+    alone = _post(url, body).json()["choices"][0]["message"]["content"]
+    others = [{**_valid(i), "temperature": 1.0, "seed": 100 + i, "max_tokens": 8} for i in range(6)]
+    with ThreadPoolExecutor(10) as pool:  # four copies of the request share a batch with six others
+        replies = list(pool.map(lambda b: _post(url, b), [body] * 4 + others))
+    assert [r.status_code for r in replies] == [200] * 10
+    assert [r.json()["choices"][0]["message"]["content"] for r in replies[:4]] == [alone] * 4
+
+
+def test_any_clients_history_is_cut_to_the_served_profiles_context(server):
+    """The policy was trained on the task prompt, the last 2 exchanges and 1 picture (the profile's
+    max_turns_in_context, max_images_in_context): the server gives the model that context whatever history a
+    client sends, so a client that sends everything gets the answer a client that trims gets."""
+    from PIL import Image
+
+    from shared.models.chat import assistant_turn, limit_context, user_turn
+    from shared.models.endpoint import to_openai_messages
+
+    url, cfg, *_ = server
+    picture = lambda seed: Image.fromarray(render_rgb(generate("maze_2d/easy", seed), 16))  # noqa: E731
+    history = [user_turn("9x9 maze: reach the red square.", picture(0))]
+    for turn in range(4):
+        history += [assistant_turn(f"('move', {turn % 4})"), user_turn("Action executed successfully.", picture(turn + 1))]
+    trimmed = limit_context(history, cfg.model.max_images_in_context, cfg.model.max_turns_in_context)
+    assert len(trimmed) < len(history)
+    answers = [_post(url, {"model": BASE, "max_tokens": 6, "messages": to_openai_messages(m)}).json()
+               for m in (history, trimmed)]
+    assert answers[0]["usage"]["prompt_tokens"] == answers[1]["usage"]["prompt_tokens"]
+    assert answers[0]["choices"][0]["message"]["content"] == answers[1]["choices"][0]["message"]["content"]

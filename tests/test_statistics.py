@@ -41,3 +41,18 @@ def test_solved_by_seed_reads_an_eval_folder(tmp_path):
     records = [{"seed": 7, "solved": True}, {"seed": 3, "solved": False}]
     (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert solved_by_seed(tmp_path) == {7: True, 3: False}
+
+
+def test_paired_mean_difference_by_hand():
+    """Per-maze success shares (mean@k) before and after, paired over mazes: diffs 0.5, 0.25, 0."""
+    import math
+
+    from shared.evaluation import paired_mean_difference
+
+    result = paired_mean_difference({1: 0.5, 2: 0.0, 3: 1.0}, {1: 1.0, 2: 0.25, 3: 1.0})
+    se = 0.25 / math.sqrt(3)  # the diffs' sample sd is 0.25
+    assert result["difference"] == pytest.approx(0.25)
+    assert (result["ci_low"], result["ci_high"]) == pytest.approx((0.25 - 1.959964 * se, 0.25 + 1.959964 * se))
+    assert result["p_value"] == pytest.approx(math.erfc(0.25 / se / math.sqrt(2)))
+    assert result["p_value"] == pytest.approx(0.0833, abs=1e-4)  # z = 1.732, two-sided
+    assert paired_mean_difference({1: 0.5}, {1: 0.5})["p_value"] == 1.0

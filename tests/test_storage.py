@@ -122,3 +122,17 @@ def test_s3_client_for_a_local_endpoint_leaves_the_environment_alone(monkeypatch
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "mine")
     assert endpoint_credentials(s3_endpoint) == {}, "credentials of one's own are used as they are"
+
+
+def test_staging_removes_only_its_own_leftovers(tmp_path):
+    """Staging `tiny-qwen3vl` must not delete an in-progress `tiny-qwen3vl-sft` (or `tiny-qwen3vl.v2`) temporary."""
+    models = tmp_path / "models"
+    with staged_dir(models / "tiny-qwen3vl-sft") as other:
+        (other / "weights").write_text("half written")
+        with staged_dir(models / "tiny-qwen3vl.v2") as dotted:
+            (dotted / "weights").write_text("half written")
+            with staged_dir(models / "tiny-qwen3vl") as mine:
+                (mine / "weights").write_text("done")
+            assert other.exists() and dotted.exists(), "a neighbour's temporary folder was removed"
+            assert (models / "tiny-qwen3vl" / "weights").read_text() == "done"
+    assert sorted(p.name for p in models.iterdir()) == ["tiny-qwen3vl", "tiny-qwen3vl-sft", "tiny-qwen3vl.v2"]

@@ -1,7 +1,10 @@
 """GRPO trainer: the math by hand, a 2-step end-to-end run, kill-and-resume equivalence."""
 
+import dataclasses
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,10 +30,12 @@ from shared.storage.manifest import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A minimal run: 2 mazes x 2 samples, 4-turn episodes, a 4-maze eval set, a few-second SFT.
+# A minimal run: 2 mazes x 2 samples, 4-turn episodes, a 4-maze eval set, a few-second SFT. No maze can be solved in
+# 4 turns, so the reward is the share of the shortest path covered (the trainer refuses `task` there).
 MINIMAL = [
     "sft.num_mazes=12", "sft.batch_size=16", "rollout.train_batch_size=2", "rollout.n_samples_per_prompt=2",
-    "env.max_turns=4", "env.eval_seeds=0-3", "env.extended_eval_seeds=4-11", "rollout.max_new_tokens=8",
+    "env.max_turns=4", "env.reward=task_progress", "env.eval_seeds=0-3", "env.extended_eval_seeds=4-11",
+    "rollout.max_new_tokens=8", "rollout.eval_samples=2",
     "schedule.total_steps=2",
     "schedule.eval_interval=1", "schedule.ckpt_interval=1", "schedule.hf_save_interval=1",
     "lora.rank=4", "lora.alpha=8", "algorithm.lr=0.01", "rollout.temperature=1.0",
@@ -83,6 +88,17 @@ def test_branch_advantages_credit_only_the_turns_after_which_outcomes_differ():
     assert branch_advantages([0.0, 0.0], [["A", "B"], ["A", "B", "B"]]) == [[0.0, 0.0], [0.0, 0.0, 0.0]]
 
 
+def test_branch_values_keyed_on_the_state_credit_the_junction_after_a_wasted_turn():
+    # Episode 0 goes A -> B -> D and solves; episode 1 bumps a wall at A (stays), then A -> B -> E and fails.
+    rewards, states = [1.0, 0.0], [["A", "B", "D"], ["A", "A", "B", "E"]]
+    by_turn = branch_advantages(rewards, states, std_normalize=False)
+    # Keyed on (turn, state), episode 1 is out of step after its wasted turn: the whole difference lands on it.
+    assert by_turn == [pytest.approx([0.5, 0.0, 0.0]), pytest.approx([-0.5, 0.0, 0.0, 0.0])]
+    # Keyed on the state, both episodes meet at B, and the choice made there gets the credit.
+    assert branch_advantages(rewards, states, std_normalize=False, key="state") == [
+        pytest.approx([0.0, 0.5, 0.0]), pytest.approx([0.0, 0.0, -0.5, 0.0])]
+
+
 def _played(turns: int, states: list, reward: float) -> PlayedEpisode:
     samples = [TrainingSample(input_ids=[t], response_mask=[1], images=[]) for t in range(turns)]
     return PlayedEpisode(reward=reward, solved=reward == 1.0, turns=turns, parse_failures=0, format_rate=1.0,
@@ -97,14 +113,15 @@ def test_credit_turns_grpo_and_gigpo():
     samples, groups = credit_turns(groups_played, grpo)
     assert len(samples) == 8
     assert all(s.advantage == 0.0 for g in groups_played for e in g.episodes for s in e.samples), "rollouts untouched"
-    assert [[s.advantage for s in g] for g in groups] == [[0.5, -0.5, -0.5]], "the all-solved group has no signal"
+    assert [[s.advantage for s in g.samples] for g in groups] == [[0.5, -0.5, -0.5]], "the all-solved group has no signal"
+    assert (groups[0].tokens, groups[0].count) == (3, 3)
 
     gigpo = AlgorithmConfig(std_normalize=False, advantage_estimator="gigpo", gamma=0.5, step_advantage_weight=2.0)
     samples, groups = credit_turns(groups_played, gigpo)
     # Group 0: episode advantages 0; from A the returns were 0.5 (ep 0) and 0.25, 1.0 (ep 1), mean 7/12.
-    assert [s.advantage for s in groups[0]] == pytest.approx([2 * (0.5 - 7 / 12), 2 * (0.25 - 7 / 12), 2 * (1.0 - 7 / 12)])
+    assert [s.advantage for s in groups[0].samples] == pytest.approx([2 * (0.5 - 7 / 12), 2 * (0.25 - 7 / 12), 2 * (1.0 - 7 / 12)])
     # Group 1: from A the returns were 1.0 and 0.5 * 0: step advantages +-0.5 on top of GRPO's +-0.5.
-    assert [s.advantage for s in groups[1]] == pytest.approx([0.5 + 2 * 0.5, -0.5 - 2 * 0.5, -0.5])
+    assert [s.advantage for s in groups[1].samples] == pytest.approx([0.5 + 2 * 0.5, -0.5 - 2 * 0.5, -0.5])
 
 
 def test_credit_turns_branch_keeps_only_turns_with_advantage():
@@ -113,7 +130,35 @@ def test_credit_turns_branch_keeps_only_turns_with_advantage():
     samples, groups = credit_turns([MazeGroup("maze_2d/easy", 1, played)],
                                    AlgorithmConfig(std_normalize=False, advantage_estimator="branch"))
     assert len(samples) == 11
-    assert [s.advantage for s in groups[0]] == pytest.approx([1 / 6, 1 / 3, 1 / 6, -2 / 3, -1 / 2, 1 / 6, 1 / 3])
+    assert [s.advantage for s in groups[0].samples] == pytest.approx([1 / 6, 1 / 3, 1 / 6, -2 / 3, -1 / 2, 1 / 6, 1 / 3])
+    assert groups[0].tokens == 11, "the zero-advantage turns count in SkyRL's token_mean"
+
+
+def test_decision_advantages_by_hand():
+    """A greedy anchor (failed, reward 0) and three branches: at turn 1 a likely alternative wins, at turn 2 a rare
+    one also fails (no signal), at turn 3 a rare one wins (the floor keeps a push on it)."""
+    from services.trainer.grpo import decision_advantages
+
+    def sample(token):
+        return TrainingSample(input_ids=[token], response_mask=[1], images=[])
+
+    anchor = PlayedEpisode(reward=0.0, solved=False, turns=4, parse_failures=0, format_rate=1.0,
+                           samples=[sample(t) for t in range(4)], states=[], reply_probs=[0.9, 0.6, 0.98, 0.95])
+    branches = [PlayedEpisode(reward=r, solved=r == 1.0, turns=4, parse_failures=0, format_rate=1.0,
+                              samples=[sample(10 + turn)], states=[], branch_turn=turn, reply_probs=[p])
+                for turn, r, p in ((1, 1.0, 0.3), (2, 0.0, 0.02), (3, 1.0, 0.02))]
+    group = MazeGroup("maze_2d/easy", 1, [anchor, *branches], anchored=True)
+    credited = decision_advantages(group, AlgorithmConfig(std_normalize=True))
+    assert [s.input_ids[0] for s in credited] == [1, 11, 2, 12, 3, 13]
+    scale = 1 / (0.5 ** 0.5)  # the std of returns (0, 1)
+    # turn 1: weights 2/3, 1/3 -> V = 1/3; advantages w x (R - V) x scale
+    assert [s.advantage for s in credited[:2]] == pytest.approx([-2 / 3 * 1 / 3 * scale, 1 / 3 * 2 / 3 * scale], rel=1e-5)
+    assert [s.advantage for s in credited[2:4]] == [0.0, 0.0], "equal returns: no comparison"
+    # turn 3: weights 0.95/0.97, 0.02/0.97 -> V = 0.02/0.97; the rare winner is weighed at the floor, 0.1
+    w, v = 0.95 / 0.97, 0.02 / 0.97
+    assert [s.advantage for s in credited[4:]] == pytest.approx([w * (0 - v) * scale, 0.1 * (1 - v) * scale], rel=1e-5)
+    uniform = decision_advantages(group, AlgorithmConfig(std_normalize=True, decision_weights="uniform"))
+    assert [s.advantage for s in uniform] == pytest.approx([-0.5 * scale, 0.5 * scale, 0, 0, -0.5 * scale, 0.5 * scale], rel=1e-5)
 
 
 def test_ppo_clip_loss_by_hand_and_masks():
@@ -171,15 +216,20 @@ def test_two_step_run_writes_every_artifact(trained):
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     for key in ("reward/mean", "train/solve_rate", "train/format_rate", "train/parse_failures", "train/mean_turns",
-                "policy/entropy", "policy/clip_fraction", "policy/grad_norm", "policy/updates", "timing/rollout_s", "timing/train_s",
-                "timing/sync_s", "throughput/rollout_tokens_per_s"):
+                "policy/entropy", "policy/clip_fraction", "policy/grad_norm", "policy/updates", "policy/kl",
+                "rollout/errors", "timing/rollout_s", "timing/train_s", "timing/sync_s",
+                "throughput/rollout_tokens_per_s", "eval/junction_accuracy"):
         assert key in metrics[0], key
+    assert all(m["rollout/errors"] == 0 for m in metrics)
     for step in (0, 1, 2):
         summary = json.loads((run / "evals" / f"global_step_{step}" / "summary.json").read_text())
         for key in ("env", "seeds", "max_turns", "total", "solved", "solve_rate", "oracle_solved", "format_rate",
-                    "parse_failures", "mean_turns", "model", "adapter"):
+                    "parse_failures", "mean_turns", "model", "adapter", "pass_at_1", "pass_at_1_definition",
+                    "machine", "junctions", "eval_settings", "policy"):
             assert key in summary, key
         assert summary["seeds"] == "0-3" and summary["total"] == 4
+        assert set(summary["machine"]) >= {"cpu", "cpu_capability", "threads", "torch", "math_library"}
+        assert "env.reward='task_progress'" in summary["pass_at_1_definition"]
     for step in (1, 2):
         verify_manifest(run / "ckpts" / f"global_step_{step}")
         export = run / "exports" / f"global_step_{step}" / "policy"
@@ -192,6 +242,10 @@ def test_two_step_run_writes_every_artifact(trained):
     assert (run / "ckpts" / "latest_ckpt_global_step.txt").read_text().strip() == "2"
     verify_manifest(run / "lora_sync")
     assert (run / "solve_rate_vs_step.png").stat().st_size > 1000
+    page = (run / "report.html").read_text()
+    assert "extended 8 mean@2" in page and "data:image/png;base64," in page
+    starts = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert len(starts) == 1 and starts[0]["from_step"] == 0 and starts[0]["settings"]["algorithm.lr"] == 0.01
     sft_summary = json.loads((shared / "models" / "tiny-qwen3vl-sft" / "eval" / "summary.json").read_text())
     assert sft_summary["sft_seeds"].startswith("1000000-")
     # The extended set scored the warm start (adapter off) and the final policy; the summary pairs them.
@@ -200,7 +254,8 @@ def test_two_step_run_writes_every_artifact(trained):
         assert (extended["seeds"], extended["total"], extended["adapter"]) == ("4-11", 8, adapter)
     summary = json.loads((run / "summary.json").read_text())
     assert list(summary["curve"]) == ["0", "1", "2"] and summary["steps"] == 2 and summary["wall_s"] > 0
-    assert set(summary["comparisons"]) == {"held-out 4", "extended 8"}
+    assert set(summary["comparisons"]) == {"held-out 4", "extended 8", "extended 8 mean@2 T=1", "extended 8 pass@2"}
+    assert summary["machine"]["cpu"] and "pass_at_1" in proc.stdout and "mean@2" in proc.stdout
     for comparison in summary["comparisons"].values():
         assert (comparison["before"]["step"], comparison["after"]["step"]) == (0, 2)
         paired = comparison["paired"]
@@ -218,14 +273,16 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(trained):
     # Share the built models so only the GRPO part runs again.
     proc = _train(shared, "killed", wait=False)
     deadline = time.time() + 600
-    ckpt1 = shared / "runs" / "killed" / "ckpts" / "global_step_1" / "manifest.json"
-    while not ckpt1.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
+    ckpts = shared / "runs" / "killed" / "ckpts"
+    while not (ckpts / "global_step_1" / "manifest.json").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert ckpt1.exists(), "the run should have reached its first checkpoint"
-    if (shared / "runs" / "killed" / "ckpts" / "global_step_2" / "manifest.json").exists():
-        pytest.skip("the trainer finished before it was killed")
+    assert (ckpts / "global_step_1" / "manifest.json").exists(), "the run should have reached its first checkpoint"
+    # Killed just after step 1's checkpoint, whatever the scheduler did meanwhile: a later checkpoint (the kill came
+    # late) is taken back, so the resume below always starts from step 1.
+    shutil.rmtree(ckpts / "global_step_2", ignore_errors=True)
+    (ckpts / "latest_ckpt_global_step.txt").write_text("1\n")
     resumed = _train(shared, "killed")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resuming killed" in resumed.stdout
@@ -241,8 +298,6 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(trained):
 
 def test_corrupt_checkpoint_is_skipped_with_a_warning(trained):
     shared, _ = trained
-    import shutil
-
     run = shared / "runs" / "corrupt"
     shutil.copytree(shared / "runs" / "full", run)
     with open(run / "ckpts" / "global_step_2" / "optimizer.pt", "ab") as handle:
@@ -255,8 +310,6 @@ def test_corrupt_checkpoint_is_skipped_with_a_warning(trained):
 
 def test_restart_from_scratch_keeps_every_eval_in_history(trained):
     shared, _ = trained
-    import shutil
-
     run = shared / "runs" / "fresh"
     shutil.copytree(shared / "runs" / "full", run)
     shutil.rmtree(run / "ckpts")  # no checkpoint: the run starts again from step 0, its evals already on disk
@@ -266,6 +319,35 @@ def test_restart_from_scratch_keeps_every_eval_in_history(trained):
     assert sorted(history) == [0, 1, 2], history
     assert list(json.loads((run / "summary.json").read_text())["curve"]) == ["0", "1", "2"]
     assert "held-out curve (step: solve rate): 0: " in proc.stdout
+
+
+def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained):
+    shared, _ = trained
+    run = shared / "runs" / "changed"
+    shutil.copytree(shared / "runs" / "full", run)
+    history = (run / "config_history.jsonl").read_text().splitlines()
+    proc = _train(shared, "changed", extra=["algorithm.lr=1.0", "rollout.n_samples_per_prompt=4"])
+    assert proc.returncode != 0
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "algorithm.lr (0.01 -> 1.0)" in line and "rollout.n_samples_per_prompt (2 -> 4)" in line, line
+    assert "run_id=<new id>" in line and "--allow-changed-settings" in line
+    assert (run / "config_history.jsonl").read_text().splitlines() == history, "a refused start records nothing"
+    # On purpose: the run goes on with the new settings, and its history says what changed when.
+    proc = _train(shared, "changed", extra=["algorithm.lr=1.0", "rollout.n_samples_per_prompt=4",
+                                            "schedule.total_steps=3", "--allow-changed-settings"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    starts = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
+    assert len(starts) == len(history) + 1 and starts[-1]["from_step"] == 2
+    assert any("algorithm.lr" in change for change in starts[-1]["changed"])
+    assert starts[0]["settings"]["algorithm.lr"] == 0.01 and starts[-1]["settings"]["algorithm.lr"] == 1.0
+    state = json.loads((run / "ckpts" / "global_step_3" / "trainer_state.json").read_text())
+    assert state["settings"]["algorithm.lr"] == 1.0 and state["settings_hash"] == starts[-1]["settings_hash"]
+    # Evals on disk from other eval settings are never reused silently: a fresh start that would reuse them stops.
+    fresh = shared / "runs" / "changed-evals"
+    shutil.copytree(shared / "runs" / "full", fresh)
+    shutil.rmtree(fresh / "ckpts")
+    proc = _train(shared, "changed-evals", extra=["rollout.eval_temperature=0.5"])
+    assert proc.returncode != 0 and "global_step_0 was scored under other settings (eval_settings differ)" in proc.stderr
 
 
 def test_sft_does_fixed_work_whatever_the_machine_speed(tiny_cfg, tiny_model_dir, monkeypatch):
@@ -293,3 +375,172 @@ def test_sft_does_fixed_work_whatever_the_machine_speed(tiny_cfg, tiny_model_dir
     first, second = (load_file(str(d / "model.safetensors")) for d in (idle, loaded))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_sft_sample_context_is_what_the_rollout_engine_reads(tiny_cfg, tiny):
+    """Every SFT turn is trained in the context a rollout plays that turn in: token for token the ids the engine's
+    model read before replying (the memory guard counts the exchanges before the reply, never the reply itself)."""
+    import random
+
+    from services.trainer.sft import expert_conversation, turn_samples
+    from shared.maze import generate
+    from shared.models.engine import LocalEngine
+
+    model, processor = tiny
+    engine = LocalEngine.for_model(tiny_cfg, model, processor, name="tiny")
+    assert tiny_cfg.model.max_turns_in_context == 2, "the profile's guard: this test needs turns past it"
+    messages = expert_conversation(generate("maze_2d/easy", 7), tiny_cfg)
+    samples = turn_samples(processor, messages, tiny_cfg, keep=1.0, rng=random.Random(0))
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assert len(samples) == len(replies) == 13
+    completions = engine.generate([messages[:i] for i in replies], temperature=0.0, max_new_tokens=1)
+    for turn, (sample, completion, index) in enumerate(zip(samples, completions, replies)):
+        context = sample.response_mask.index(1)
+        assert sample.input_ids[:context] == completion.prompt_ids, f"turn {turn}: the SFT context differs"
+        reply = processor.tokenizer.decode(sample.input_ids[context:])
+        assert reply == messages[index]["content"][0]["text"] + "<|im_end|>"
+        assert all(sample.response_mask[context:])
+
+
+class _FlakyEngine:
+    """An engine that fails every request of the conversations it is told to (as a remote engine reports a request
+    that failed after its retries), and answers the rest with the real tiny model."""
+
+    def __init__(self, engine, failing_prompt_image):
+        self.engine, self.failing = engine, failing_prompt_image
+        self.processor, self.max_images, self.context_turns = engine.processor, engine.max_images, engine.context_turns
+
+    def prompt(self, messages):
+        return self.engine.prompt(messages)
+
+    def generate(self, conversations, temperature=0.0, max_new_tokens=24, seed=None):
+        from shared.models.engine import Completion
+
+        replies = self.engine.generate(conversations, temperature, max_new_tokens, seed)
+        return [Completion("", [], error="RuntimeError: the engine failed this request")
+                if c[0]["content"][1]["image"].tobytes() == self.failing else r for c, r in zip(conversations, replies)]
+
+
+def test_rollout_errors_are_counted_never_trained_on_and_stop_the_run(tiny_cfg, tiny):
+    from PIL import Image
+
+    from services.trainer.grpo import TrainingStopped, check_rollout_errors
+    from services.trainer.rollout import play_rollouts
+    from shared.maze import generate, render_rgb
+    from shared.models.engine import LocalEngine
+
+    model, processor = tiny
+    cfg = tiny_cfg.model_copy(update={"env": tiny_cfg.env.model_copy(update={"max_turns": 3})})
+    failing = Image.fromarray(render_rgb(generate("maze_2d/easy", 2000001), cfg.env.cell_px)).tobytes()
+    engine = _FlakyEngine(LocalEngine.for_model(cfg, model, processor, name="tiny"), failing)
+    groups = play_rollouts(engine, cfg, [("maze_2d/easy", 2000000), ("maze_2d/easy", 2000001)], 4, seed=1)
+    assert [len(g.episodes) for g in groups] == [4, 0] and [len(g.errors) for g in groups] == [0, 4]
+    samples, signal = credit_turns(groups, AlgorithmConfig(std_normalize=False))
+    assert len(samples) == sum(len(e.samples) for e in groups[0].episodes), "nothing of a failed episode is trained on"
+    groups[1].log = "/tmp/ray/session_x/logs/worker-1.err"
+    with pytest.raises(TrainingStopped, match=r"step 3: 4 of 8 rollout episodes failed.*the engine failed this request"
+                                              r".*worker log says more: /tmp/ray/session_x/logs/worker-1.err"):
+        check_rollout_errors(groups, 4, 0.25, step=3)
+    check_rollout_errors(groups, 4, 0.5, step=3)  # at the tolerated share: goes on
+
+
+def _group(samples):
+    from services.trainer.grpo import SignalGroup
+
+    return SignalGroup(samples, sum(sum(s.response_mask) for s in samples), len(samples))
+
+
+def test_non_finite_advantages_or_losses_stop_before_the_optimizer_step(tiny_cfg, tiny_model_dir):
+    from services.trainer.grpo import TrainingStopped, update_policy
+    from services.trainer.rollout import build_policy
+    from shared.episodes import EpisodeSettings, solver_episode
+    from shared.maze import generate
+    from shared.models.engine import LocalEngine, encode_turn
+
+    model, processor = build_policy(tiny_model_dir, tiny_cfg.lora, "tiny", trainable=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    engine = LocalEngine.for_model(tiny_cfg, model, processor, name="tiny")
+    episode = solver_episode(generate("maze_2d/easy", 2000000), EpisodeSettings.from_config(tiny_cfg))
+    turns = [encode_turn(engine, messages, engine.generate([messages], 1.0, 6, seed=0)[0])
+             for messages, _ in episode.samples[:2]]
+    before = [p.detach().clone() for p in params]
+    algo = AlgorithmConfig()
+
+    def unchanged():
+        return all(torch.equal(a, b) for a, b in zip(before, params))
+
+    nan_advantage = [dataclasses.replace(turns[0], advantage=float("nan")), dataclasses.replace(turns[1], advantage=1.0)]
+    with pytest.raises(TrainingStopped, match="step 7: an advantage is not finite"):
+        update_policy(model, optimizer, params, processor, [_group(nan_advantage)], algo, 1.0, 1, step=7)
+    assert unchanged()
+    # A sampler that gave a token probability 0 (log-prob -inf) makes the PPO ratio infinite: the loss is inf.
+    impossible = dataclasses.replace(turns[0], advantage=-1.0, old_logprobs=[-math.inf] * len(turns[0].old_logprobs))
+    with pytest.raises(TrainingStopped, match="step 8: the loss is not finite"):
+        update_policy(model, optimizer, params, processor, [_group([impossible])], algo, 1.0, 1, step=8)
+    assert unchanged(), "the optimizer must not step on a non-finite loss"
+    stats = update_policy(model, optimizer, params, processor, [_group([dataclasses.replace(turns[0], advantage=1.0)])],
+                          algo, 1.0, 1, step=9)
+    assert stats["policy/updates"] == 1 and not unchanged()
+
+
+def test_settings_that_cannot_train_are_refused_at_start_up(tmp_path):
+    from shared.config import ConfigError, check_trainable, load_config
+
+    def refused(*overrides):
+        with pytest.raises(ConfigError) as error:
+            check_trainable(load_config(None, list(overrides), environ={}))
+        return str(error.value)
+
+    for estimator in ("grpo", "gigpo", "branch"):
+        assert "rollout.n_samples_per_prompt = 1" in refused("rollout.n_samples_per_prompt=1",
+                                                             f"algorithm.advantage_estimator={estimator}")
+    assert "rollout.temperature = 0" in refused("rollout.temperature=0")
+    assert "env.max_turns = 12 is below the 13 actions" in refused("env.max_turns=12")
+    check_trainable(load_config(None, ["env.max_turns=12", "env.reward=task_progress"], environ={}))
+    # Through the trainer's command: one line, the fix, a non-zero exit, before anything is built.
+    proc = _train(tmp_path, "n1", extra=["rollout.n_samples_per_prompt=1"])
+    assert proc.returncode != 0 and "rollout.n_samples_per_prompt >= 2" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "models").exists()
+    proc = _train(tmp_path, "short", extra=["rollout.max_new_tokens=3"])
+    assert proc.returncode != 0 and "rollout.max_new_tokens = 3 is shorter than a plain reply" in proc.stderr
+
+
+# A fixed handful of 5x5 mazes (4 moves and stop, corner to corner) that GRPO re-feeds every step; the objective
+# is the mean reward (the share of the shortest path covered, 1 when solved) of episodes sampled at T=1.
+LEARN = ["env.id=maze_2d/5x5", "env.eval_env=maze_2d/5x5", "env.max_turns=6", "env.eval_seeds=0-7",
+         "env.extended_eval_seeds=null", "env.reward=task_progress", "model.path=sft-5x5", "sft.num_mazes=300",
+         "sft.batch_size=16", "rollout.max_new_tokens=7"]
+FIXED = ["env.rl_num_mazes=4", "rollout.train_batch_size=4", "rollout.n_samples_per_prompt=8",
+         "rollout.temperature=1.0", "rollout.strategy=sample", "algorithm.advantage_estimator=grpo",
+         "algorithm.lr=0.003", "algorithm.mini_batch_size=null", "lora.rank=8", "lora.alpha=16",
+         "schedule.total_steps=12", "schedule.eval_interval=0", "schedule.ckpt_interval=12",
+         "schedule.hf_save_interval=12", "rollout.eval_samples=0"]
+
+
+def _sampled_reward(shared: Path, adapter: Path | None, out: Path) -> float:
+    """Returns the mean reward of 32 episodes per fixed training maze at T=1 (the evaluator, seeded)."""
+    cmd = [sys.executable, "-m", "services.evaluator", "--model", str(shared / "models" / "sft-5x5"),
+           "--seeds", "2000000-2000003", "--samples", "32", "--temperature", "1.0", "--out", str(out), *LEARN]
+    if adapter is not None:
+        cmd[4:4] = ["--adapter", str(adapter)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "SHARED_DIR": str(shared)}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads((out / "summary.json").read_text())["mean_reward"]
+
+
+def test_grpo_raises_its_own_objective_on_a_fixed_handful_of_mazes(tmp_path):
+    """The learning test: a dozen GRPO steps on four fixed training mazes raise what GRPO maximises there, the mean
+    reward of sampled episodes, well beyond the noise of its measurement. A flipped loss sign lowers it; zeroed
+    advantages leave the policy where it was; either fails here."""
+    env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", *LEARN, *FIXED, "run_id=learn"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "learn" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["policy/updates"] for m in metrics) >= 10, "the steps trained"
+    before = _sampled_reward(tmp_path, None, tmp_path / "before")
+    after = _sampled_reward(tmp_path, tmp_path / "runs" / "learn" / "exports" / "global_step_12" / "policy",
+                            tmp_path / "after")
+    assert after >= before + 0.15, (before, after)

@@ -11,16 +11,14 @@ Idempotent: a second run updates the folder, data source and dashboards in place
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
-from shared.config import config_from_args, reveal
+from shared.config import command_line, config_from_args, reveal
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.dashboards", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line("python -m services.dashboards", __doc__, config=False)
     parser.add_argument("command", nargs="?", default="provision", choices=["provision", "monitor"])
     parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml): its dashboards section")
     parser.add_argument("--grafana-url", default=None, help="Grafana base URL (default: dashboards.grafana_url, GRAFANA_URL)")

@@ -20,10 +20,11 @@ from pathlib import Path
 from services.evaluator.report import write_comparison, write_gifs, write_report
 from shared.config import CommandLineParser, RunConfig, add_config_arguments, config_from_args, reveal
 from shared.episodes import EpisodeSettings
-from shared.evaluation import describe, evaluate, plot_solve_rate, skyrl_solve_rates
+from shared.evaluation import describe, evaluate, plot_solve_rate, skyrl_eval_metrics
+from shared.machine import machine_info
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.models.engine import LocalEngine, ModelLoadError
-from shared.storage.files import append_jsonl, read_jsonl
+from shared.storage.files import append_jsonl, atomic_write_json, read_jsonl
 from shared.storage.ids import check_run_id
 from shared.storage.manifest import sha256_file
 from shared.storage.volume import SharedVolume
@@ -78,6 +79,17 @@ def turn_budget(value: str) -> int:
     return turns
 
 
+def sample_count(value: str) -> int:
+    """argparse type: episodes per maze (1..64)."""
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of samples (e.g. 8)") from None
+    if not 1 <= count <= 64:
+        raise argparse.ArgumentTypeError(f"{count} samples per maze is out of range: use 1..64 (e.g. 8)")
+    return count
+
+
 def run_id_arg(value: str) -> str:
     """argparse type: a run id or evaluation name (a plain folder name, never a path)."""
     try:
@@ -95,11 +107,13 @@ def eval_folder(value: str) -> Path:
     return path
 
 
-def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: Path | None, out: Path, gifs=True) -> dict:
+def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: Path | None, out: Path, gifs=True,
+               settings: EpisodeSettings | None = None, samples: int = 1) -> dict:
     engine = LocalEngine.from_config(cfg, model_dir, adapter_dir)
-    summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=str(model_dir),
-                          adapter=str(adapter_dir) if adapter_dir else None, extra=identity(model_dir, adapter_dir))
-    finish(out, summary, gifs, cfg.env.cell_px)
+    summary, _ = evaluate(engine, eval_set, settings or EpisodeSettings.from_config(cfg), out, model=str(model_dir),
+                          adapter=str(adapter_dir) if adapter_dir else None, extra=identity(model_dir, adapter_dir),
+                          samples=samples, seed=cfg.seed, progress="eval" if len(eval_set.seeds) * samples > 64 else None)
+    finish(out, summary, gifs and samples == 1, cfg.env.cell_px)
     return summary
 
 
@@ -127,7 +141,7 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
     history_path = volume.run(run_id) / "evals" / "watch" / "history.jsonl"
     while True:
         done = {int(r["step"]) for r in read_jsonl(history_path)}
-        skyrl_rates = skyrl_solve_rates(volume.run(run_id))  # once a pass: SkyRL's eval dumps, if any
+        skyrl_evals = skyrl_eval_metrics(volume.run(run_id))  # once a pass: SkyRL's eval dumps, if any
         for step, policy in complete_exports(volume, run_id):
             if step in done:
                 continue
@@ -139,10 +153,12 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
                     exit_on_errors([summary], out)
                 continue
             row = {"step": step, **summary}
-            skyrl_rate = skyrl_rates.get(step)
-            if skyrl_rate is not None:
-                row["skyrl_solve_rate"] = skyrl_rate
-                print(f"step {step}: SkyRL's in-loop eval solved {skyrl_rate:.1%} (eval/all/environment/solved)")
+            skyrl = skyrl_evals.get(step)
+            if skyrl is not None:
+                row["skyrl_solve_rate"], row["skyrl_pass_at_1"] = skyrl["solve_rate"], skyrl["pass_at_1"]
+                passed = f"{skyrl['pass_at_1']:.1%}" if skyrl["pass_at_1"] is not None else "not logged"
+                print(f"step {step}: SkyRL's in-loop eval solved {skyrl['solve_rate']:.1%} (eval/all/environment/solved); "
+                      f"its pass_at_1 (reward above 0, AWS's kind of number) {passed}")
             append_jsonl(history_path, row)
         history = sorted(read_jsonl(history_path), key=lambda r: r["step"])
         if history:
@@ -188,10 +204,57 @@ def play(argv: list[str]) -> None:
     exit_on_errors([summary], out)
 
 
+def diagnose_command(argv: list[str]) -> None:
+    """Measures where a policy's greedy play has headroom (one flip, step back, junction accuracy)."""
+    from services.evaluator.diagnose import describe_diagnosis, diagnose
+
+    parser = CommandLineParser(prog="python -m services.evaluator diagnose",
+                               description="Measure a policy's headroom before training: the share of greedy failures "
+                                           "one changed decision or one step back rescues, and its teacher-forced "
+                                           "accuracy at junctions along the solver's path. Writes diagnosis.json.")
+    add_config_arguments(parser)
+    parser.add_argument("--model", default=None, help="model folder (default: the profile's model.path)")
+    parser.add_argument("--adapter", default=None, help="LoRA export folder, or an adapter id in $S3_URI/adapters/")
+    parser.add_argument("--seeds", default="extended", help="eval seeds: A-B, A,B,C, or 'extended' (the default: "
+                        "the profile's extended held-out set)")
+    parser.add_argument("--out", default="diagnosis", help="output folder (default: diagnosis/)")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    eval_set = eval_set_from(cfg, args.seeds, None)
+    model_dir = Path(args.model) if args.model else SharedVolume(cfg.shared_path()).model(cfg.model.path)
+    try:
+        engine = LocalEngine.from_config(cfg, model_dir, resolve_adapter(cfg, args.adapter))
+    except (ModelLoadError, FileNotFoundError, ValueError) as exc:
+        sys.exit(f"error: {exc}")
+    result = {"model": str(model_dir), "adapter": args.adapter,
+              **diagnose(engine, eval_set, EpisodeSettings.from_config(cfg)), "machine": machine_info()}
+    out = Path(args.out)
+    atomic_write_json(out / "diagnosis.json", result)
+    print(describe_diagnosis(result))
+    print(f"wrote {out / 'diagnosis.json'}")
+
+
+def eval_set_from(cfg: RunConfig, seeds_arg: str | None, max_turns: int | None) -> EvalSet:
+    """Returns the eval set a --seeds argument names ('extended': the profile's extended set); exits on a bad one."""
+    if seeds_arg == "extended":
+        if not cfg.env.extended_eval_seeds:
+            sys.exit("error: --seeds extended: this profile sets no env.extended_eval_seeds")
+        seeds_arg = cfg.env.extended_eval_seeds
+    try:
+        seeds = parse_seeds(seeds_arg or cfg.env.eval_seeds)
+    except ValueError as exc:
+        sys.exit(f"error: --seeds: {exc}")
+    if not seeds:
+        sys.exit(f"error: --seeds {seeds_arg!r} names no seeds: use A-B (e.g. 0-63) or A,B,C")
+    return EvalSet(cfg.env.eval_env, seeds, max_turns or cfg.env.max_turns)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["play"]:
         return play(argv[1:])
+    if argv[:1] == ["diagnose"]:
+        return diagnose_command(argv[1:])
     parser = CommandLineParser(prog="python -m services.evaluator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser)
@@ -207,6 +270,12 @@ def main(argv: list[str] | None = None) -> None:
                         "profile's extended held-out set (default: the profile's eval_seeds, 0-63)")
     parser.add_argument("--max-turns", type=turn_budget, default=None, help="turn budget per maze (1..200)")
     parser.add_argument("--no-gifs", action="store_true", help="skip the per-episode GIFs")
+    parser.add_argument("--samples", type=sample_count, default=1,
+                        help="episodes per maze (default 1, greedy); more plays each maze that many times at "
+                             "--temperature and reports mean@k and pass@k (no GIFs)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature (default: rollout.eval_temperature, 0 = greedy; with --samples > 1, "
+                             "rollout.temperature)")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), type=eval_folder,
                         help="two evaluation folders to set side by side")
     parser.add_argument("--watch", metavar="RUN_ID", type=run_id_arg, help="evaluate every new complete export of a run")
@@ -214,18 +283,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--poll", type=float, default=30.0, help="with --watch: seconds between passes")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    if args.seeds == "extended":
-        if not cfg.env.extended_eval_seeds:
-            sys.exit("error: --seeds extended: this profile sets no env.extended_eval_seeds")
-        args.seeds = cfg.env.extended_eval_seeds
-    try:
-        seeds = parse_seeds(args.seeds or cfg.env.eval_seeds)
-    except ValueError as exc:
-        sys.exit(f"error: --seeds: {exc}")
-    if not seeds:
-        sys.exit(f"error: --seeds {args.seeds!r} names no seeds: use A-B (e.g. 0-63) or A,B,C")
-    eval_set = EvalSet(cfg.env.eval_env, seeds, args.max_turns or cfg.env.max_turns)
+    eval_set = eval_set_from(cfg, args.seeds, args.max_turns)
     volume = SharedVolume(cfg.shared_path())
+    temperature = args.temperature if args.temperature is not None else (
+        cfg.rollout.temperature if args.samples > 1 else cfg.rollout.eval_temperature)
+    if args.samples > 1 and temperature <= 0:
+        sys.exit(f"error: --samples {args.samples} needs --temperature above 0 (greedy play repeats itself)")
+    if temperature < 0:
+        sys.exit(f"error: --temperature {temperature} is negative: use 0 (greedy) or more")
+    settings = EpisodeSettings.from_config(cfg, temperature=temperature)
 
     if args.compare:
         out = Path(args.out or ".")
@@ -245,9 +311,9 @@ def main(argv: list[str] | None = None) -> None:
             engine.check()
             name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
             out = Path(args.out) if args.out else volume.eval(args.run or "endpoint", name)
-            summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=engine.name,
-                                  adapter=engine.adapter, extra={"base_url": args.base_url})
-            finish(out, summary, not args.no_gifs, cfg.env.cell_px)
+            summary, _ = evaluate(engine, eval_set, settings, out, model=engine.name, adapter=engine.adapter,
+                                  extra={"base_url": args.base_url}, samples=args.samples, seed=cfg.seed)
+            finish(out, summary, not args.no_gifs and args.samples == 1, cfg.env.cell_px)
             exit_on_errors([summary], out)
             return
         model_dir = Path(args.model) if args.model else volume.model(cfg.model.path)
@@ -261,7 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         adapter_dir = resolve_adapter(cfg, str(adapter) if adapter else None)
         name = args.name or (f"eval_{Path(adapter_dir).parent.name if adapter_dir else model_dir.name}")
         out = Path(args.out) if args.out else volume.eval(args.run or "adhoc", name)
-        summary = eval_local(cfg, eval_set, model_dir, adapter_dir, out, gifs=not args.no_gifs)
+        summary = eval_local(cfg, eval_set, model_dir, adapter_dir, out, gifs=not args.no_gifs, settings=settings,
+                             samples=args.samples)
         exit_on_errors([summary], out)
     except (ModelLoadError, ConnectionError, FileNotFoundError, ValueError) as exc:
         sys.exit(f"error: {exc}")

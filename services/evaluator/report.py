@@ -38,7 +38,9 @@ def write_gifs(folder: Path, cell_px: int = 25) -> int:
 
 def _summary_rows(summary: dict) -> str:
     keys = ["env", "seeds", "max_turns", "solved", "total", "solve_rate", "oracle_solved", "share_of_ceiling",
-            "format_rate", "parse_failures", "mean_turns", "errors", "failures", "model", "adapter", "elapsed_s"]
+            "samples_per_maze", "temperature", "mean_success", "pass_at_k", "format_rate", "parse_failures",
+            "mean_turns", "errors", "failures", "model", "adapter", "elapsed_s"]
+    keys = [key for key in keys if key in summary or key not in ("samples_per_maze", "mean_success", "pass_at_k")]
     rows = []
     for key in keys:
         value = summary.get(key)
@@ -54,7 +56,9 @@ def write_report(folder: Path, title: str | None = None) -> Path:
     """Writes folder/report.html: summary table and a grid of every episode's GIF, marked solved/failed."""
     summary = json.loads((folder / "summary.json").read_text())
     cards = []
-    for record in read_jsonl(folder / "episodes.jsonl"):
+    # A sampled evaluation plays each maze many times: its page is the summary alone.
+    records = read_jsonl(folder / "episodes.jsonl") if summary.get("samples_per_maze", 1) == 1 else []
+    for record in records:
         state = "solved" if record["solved"] else "failed"
         reason = f" &middot; {html.escape(record['error'][:60])}" if record.get("error") else ""
         if record.get("first_mistake") and not record["solved"]:

@@ -8,6 +8,7 @@ they would use, and the next run finishes the job.
 
 from __future__ import annotations
 
+import calendar
 import json
 import struct
 import time
@@ -18,7 +19,7 @@ from boto3.s3.transfer import TransferConfig
 
 from shared.adapters import AdapterNotFound, AdapterStore
 from shared.storage.ids import check_adapter_id
-from shared.storage.manifest import MANIFEST, sha256_file
+from shared.storage.manifest import MANIFEST, model_identity, sha256_file
 from shared.storage.volume import ADAPTER_FILES, SharedVolume, complete_exports
 
 TRANSFER = TransferConfig(multipart_threshold=8 * 1024 * 1024, multipart_chunksize=8 * 1024 * 1024, max_concurrency=4)
@@ -55,8 +56,31 @@ def read_safetensors_header(path: Path) -> dict:
     return header
 
 
-def validate_adapter(folder: Path, base_model_id: str, max_lora_rank: int) -> dict:
-    """Returns the adapter config after checking it is a LoRA adapter for base_model_id within max rank."""
+def same_base_model(recorded: str | None, cfg) -> bool:
+    """Returns True when an adapter's `base_model_name_or_path` names this run's base model: its id, its
+    `model.path` as configured or as resolved on the volume (what PEFT writes when SkyRL or the trainer loads it),
+    or another folder holding the same files (the same manifest or weights)."""
+    if not recorded:
+        return False
+    base_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
+    if recorded in {cfg.model.base_model_id, cfg.model.path, str(base_dir)}:
+        return True
+    other = Path(recorded)
+    if not other.is_dir() or not base_dir.is_dir():
+        return False
+    try:
+        if other.samefile(base_dir):
+            return True
+    except OSError:
+        return False
+    mine = model_identity(base_dir)
+    return mine is not None and model_identity(other) == mine
+
+
+def validate_adapter(folder: Path, cfg) -> dict:
+    """Returns the adapter config after checking it is a LoRA adapter for the run's base model within the
+    server's max rank."""
+    max_lora_rank = cfg.server.max_lora_rank
     for name in ADAPTER_FILES:
         if not (folder / name).is_file():
             raise InvalidAdapter(f"{folder} lacks {name}")
@@ -66,10 +90,10 @@ def validate_adapter(folder: Path, base_model_id: str, max_lora_rank: int) -> di
         raise InvalidAdapter(f"{folder}/adapter_config.json does not parse: {exc}") from None
     if config.get("peft_type") != "LORA":
         raise InvalidAdapter(f"{folder}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
-    if config.get("base_model_name_or_path") != base_model_id:
+    if not same_base_model(config.get("base_model_name_or_path"), cfg):
         raise InvalidAdapter(
-            f"{folder}: adapter is for base model {config.get('base_model_name_or_path')!r}, but the run's base is {base_model_id!r}"
-        )
+            f"{folder}: adapter is for base model {config.get('base_model_name_or_path')!r}, but the run's base is "
+            f"{cfg.model.base_model_id!r} (model.path {cfg.model.path!r}): export it with the profile it was trained with")
     if int(config.get("r", 0)) > max_lora_rank:
         raise InvalidAdapter(f"{folder}: LoRA rank {config.get('r')} exceeds the server's max_lora_rank {max_lora_rank}")
     header = read_safetensors_header(folder / "adapter_model.safetensors")
@@ -135,11 +159,12 @@ class Exporter:
         results, exported = [], []
         for step, folder in self.complete_exports(run_id):
             try:
-                config = validate_adapter(folder, self.cfg.model.base_model_id, self.cfg.server.max_lora_rank)
+                config = validate_adapter(folder, self.cfg)
             except InvalidAdapter as exc:
                 self.log(f"error: rejected {folder}: {exc}")
                 continue
-            meta = {"run_id": run_id, "step": step, "base_model": config["base_model_name_or_path"],
+            meta = {"run_id": run_id, "step": step, "base_model": self.cfg.model.base_model_id,
+                    "trained_on": config["base_model_name_or_path"],
                     "rank": config.get("r"), "eval": self.eval_summary(run_id, step)}
             result = self.publish(f"{run_id}-step{step}", folder, meta)
             results.append(result)
@@ -170,7 +195,8 @@ def adapter_table(store: AdapterStore) -> list[dict]:
     now = time.time()
     for adapter_id in store.list():
         manifest = store.manifest(adapter_id)
-        created = time.mktime(time.strptime(manifest.get("created", "1970-01-01T00:00:00Z"), "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+        # The manifest's time is UTC: timegm reads it as UTC whatever the local zone and its daylight saving.
+        created = calendar.timegm(time.strptime(manifest.get("created", "1970-01-01T00:00:00Z"), "%Y-%m-%dT%H:%M:%SZ"))
         evaluation = manifest.get("eval") or {}
         rows.append({
             "adapter_id": adapter_id,

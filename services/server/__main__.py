@@ -12,20 +12,17 @@ need `Authorization: Bearer`.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 import yaml
 
-from shared.config import add_config_arguments, config_from_args, reveal
+from shared.config import command_line, config_from_args, reveal
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.server", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_arguments(parser)
+    parser = command_line("python -m services.server", __doc__)
     parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                         help="vllm: Ray Serve LLM (server.accelerator picks gpu or cpu); transformers: the peft deployment")
     parser.add_argument("--gpu", action="store_true", help="same as --engine vllm (kept for old scripts)")

@@ -12,7 +12,6 @@ batch fails alone: its neighbours are retried one by one and get their answers.
 
 import asyncio
 import copy
-import json
 import re
 import time
 import uuid
@@ -33,6 +32,7 @@ from services.server.request_rules import (
     check_prompt_tokens,
     error_body,
     parse_chat_request,
+    parse_json_body,
     parse_messages,
     split_model,
 )
@@ -116,7 +116,9 @@ class MazeServer:
         placeholder = LoraConfig(r=1, target_modules=lora_target_regex(self.cfg.lora.target_modules), init_lora_weights=True)
         self.model = get_peft_model(model, placeholder, adapter_name="__base__")
         self.model.eval()
-        self.engine = LocalEngine(self.model, processor, max_images_in_context=1_000_000, name=self.base_id)
+        # The policy is served with the context it was trained in: whatever history a client sends, the model sees
+        # the task prompt, the last model.max_turns_in_context exchanges and the last max_images_in_context pictures.
+        self.engine = LocalEngine.for_model(self.cfg, self.model, processor, name=self.base_id)
         # Prompts are counted on their own thread with their own tokenizer (a tokenizer is not safe to share
         # across threads), so a request refused for its size never waits behind a batch being generated.
         self.count_processor = copy.deepcopy(processor)
@@ -234,29 +236,29 @@ class MazeServer:
         self._authorize(request)
         adapters = []
         if self.store is not None:
-            adapters = await asyncio.get_running_loop().run_in_executor(None, self.store.list)
+            from botocore.exceptions import BotoCoreError, ClientError
+
+            try:
+                adapters = await asyncio.get_running_loop().run_in_executor(None, self.store.list)
+            except (BotoCoreError, ClientError) as exc:  # S3 refused or failed: say so rather than list fewer models
+                raise RequestError(503, f"the adapter store (S3) did not answer the listing: {exc}; try again",
+                                   "server_error") from None
         ids = [self.base_id] + [f"{self.base_id}:{a}" for a in adapters]
         return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "maze-grpo"} for i in ids]}
 
     @api.post("/v1/chat/completions", openapi_extra=CHAT_BODY_SCHEMA)
     async def chat(self, request: Request):
         self._authorize(request)
-        raw = await request.body()
-        if len(raw) > self.cfg.server.max_request_bytes:
-            raise RequestError(413, f"request body is {len(raw)} bytes; this server accepts at most "
-                                    f"{self.cfg.server.max_request_bytes} (server.max_request_bytes)")
-        try:
-            payload = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RequestError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
-        body = parse_chat_request(payload)
+        body = parse_chat_request(parse_json_body(await request.body(), self.cfg.server.max_request_bytes))
         adapter_id = split_model(body.model, self.base_id)
         messages = parse_messages(body.messages, self.limits)
         loop = asyncio.get_running_loop()
-        check_prompt_tokens(await loop.run_in_executor(self.count_thread, self._prompt_tokens, messages), self.limits)
+        prompt_tokens = await loop.run_in_executor(self.count_thread, self._prompt_tokens, messages)
+        check_prompt_tokens(prompt_tokens, self.limits)
         adapter_name, fingerprint = (None, "base") if adapter_id is None else await self._adapter(adapter_id)
         max_tokens = min(body.max_tokens or self.cfg.server.max_new_tokens, self.cfg.server.max_new_tokens)
-        completion = await self.generate_batched((adapter_name, messages, body.temperature, max_tokens, body.seed))
+        completion = await self.generate_batched((adapter_name, messages, body.temperature, max_tokens, body.seed,
+                                                  body.top_p))
         if isinstance(completion, Exception):  # this request failed on its own; its batch neighbours did not
             raise RequestError(500, f"generation failed: {type(completion).__name__}: {str(completion)[:300]}",
                                "server_error")
@@ -268,17 +270,18 @@ class MazeServer:
             "system_fingerprint": fingerprint,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
                          "finish_reason": "stop" if completion.token_ids and completion.token_ids[-1] in self.engine.stop_ids else "length"}],
-            "usage": {"completion_tokens": len(completion.token_ids)},
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(completion.token_ids),
+                      "total_tokens": prompt_tokens + len(completion.token_ids)},
         }
 
     def _prompt_tokens(self, messages: list[dict]) -> int:
-        """Returns the prompt's length in tokens as the model would see it (image tokens included)."""
-        from shared.models.chat import images_of
-        from shared.models.engine import text_ids
+        """Returns the prompt's length in tokens as the model sees it: the served profile's context policy applied
+        to the client's history, image tokens included."""
+        from shared.models.engine import chat_prompt, text_ids
 
         try:
-            text = self.count_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return len(text_ids(self.count_processor, text, images_of(messages)))
+            text, images = chat_prompt(self.count_processor, messages, self.engine.max_images, self.engine.context_turns)
+            return len(text_ids(self.count_processor, text, images))
         except Exception as exc:  # the chat template refused these messages: this request's fault alone
             raise RequestError(400, f"messages cannot be formatted for the model: {type(exc).__name__}: "
                                     f"{str(exc)[:200]}", param="messages") from None
@@ -287,19 +290,21 @@ class MazeServer:
     async def generate_batched(self, requests: list[tuple]) -> list:
         """Returns one Completion (or the Exception that request alone raised) per request.
 
-        One engine call per (adapter, temperature, max_tokens, seed) group; when a group's call fails, its
-        requests are run one by one, so only the request that fails gets the error.
+        One engine call per (adapter, temperature, max_tokens, top_p) group, each request sampling with its own seed (so
+        its reply does not depend on its batch neighbours); when a group's call fails, its requests are run one by
+        one, so only the request that fails gets the error.
         """
         results: list = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
-        for index, (adapter_name, _, temperature, max_tokens, seed) in enumerate(requests):
-            groups.setdefault((adapter_name, temperature, max_tokens, seed), []).append(index)
+        for index, (adapter_name, _, temperature, max_tokens, _, top_p) in enumerate(requests):
+            groups.setdefault((adapter_name, temperature, max_tokens, top_p), []).append(index)
         loop = asyncio.get_running_loop()
-        for (adapter_name, temperature, max_tokens, seed), indices in groups.items():
+        for (adapter_name, temperature, max_tokens, top_p), indices in groups.items():
             chunks = [indices]
             try:
                 completions = await loop.run_in_executor(self.model_thread, self._generate, adapter_name,
-                                                         [requests[i][1] for i in indices], temperature, max_tokens, seed)
+                                                         [requests[i][1] for i in indices], temperature, max_tokens,
+                                                         [requests[i][4] for i in indices], top_p)
                 for i, completion in zip(indices, completions):
                     results[i] = completion
                 continue
@@ -311,20 +316,21 @@ class MazeServer:
             for (i,) in chunks:
                 try:
                     (results[i],) = await loop.run_in_executor(self.model_thread, self._generate, adapter_name,
-                                                               [requests[i][1]], temperature, max_tokens, seed)
+                                                               [requests[i][1]], temperature, max_tokens,
+                                                               [requests[i][4]], top_p)
                 except Exception as exc:
                     results[i] = exc
         return results
 
-    def _generate(self, adapter_name, conversations, temperature, max_tokens, seed):
+    def _generate(self, adapter_name, conversations, temperature, max_tokens, seeds, top_p=1.0):
         if adapter_name is None:
             with self.model.disable_adapter():
-                return self.engine.generate(conversations, temperature, max_tokens, seed)
+                return self.engine.generate(conversations, temperature, max_tokens, seeds, top_p=top_p)
         if adapter_name not in self.model.peft_config:
             # Evicted from the LRU by a newer adapter after this request loaded it: reload this version's files.
             self.model.load_adapter(self.adapter_folders[adapter_name], adapter_name=adapter_name)
         try:
             self.model.set_adapter(adapter_name)
-            return self.engine.generate(conversations, temperature, max_tokens, seed)
+            return self.engine.generate(conversations, temperature, max_tokens, seeds, top_p=top_p)
         finally:
             self._detach(adapter_name)  # only if the LRU let go of it meanwhile

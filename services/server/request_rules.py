@@ -21,6 +21,8 @@ from shared.storage.ids import check_adapter_id
 # Sampling at a temperature this close to 0 divides logits into inf/NaN; 0 itself means greedy.
 MIN_TEMPERATURE = 0.01
 INT64_MAX = 2**63 - 1
+# No chat request nests deeper than a handful of levels; deeper bodies are refused before they are walked.
+MAX_JSON_DEPTH = 32
 
 
 class RequestError(Exception):
@@ -42,16 +44,52 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 class ChatRequest(BaseModel):
-    """The fields of an OpenAI chat-completions request this server reads (others are accepted and ignored)."""
+    """The fields of an OpenAI chat-completions request this server reads (others are accepted and ignored), with
+    OpenAI's ranges."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str = Field(min_length=1, max_length=512)
     messages: list[dict] = Field(min_length=1, max_length=1024)
-    temperature: float = Field(0.0, ge=0, le=5)
+    temperature: float = Field(0.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens holding this mass")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
+
+
+def json_depth_exceeds(value, limit: int) -> bool:
+    """Returns True when a parsed JSON value nests deeper than `limit` (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
+def parse_json_body(raw: bytes, max_bytes: int):
+    """Returns a request body's JSON; RequestError 413 when it is too large, 400 when it is not JSON or nests too
+    deeply to be a chat request."""
+    import json
+
+    if len(raw) > max_bytes:
+        raise RequestError(413, f"request body is {len(raw)} bytes; this server accepts at most {max_bytes} "
+                                "(server.max_request_bytes)")
+    try:
+        payload = json.loads(raw)
+    except RecursionError:
+        raise RequestError(400, f"request body nests too deeply to parse (a chat request needs a few levels; this "
+                                f"server reads at most {MAX_JSON_DEPTH})") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
+    if json_depth_exceeds(payload, MAX_JSON_DEPTH):
+        raise RequestError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels: a chat request needs a few")
+    return payload
 
 
 @dataclass
@@ -79,6 +117,10 @@ def parse_chat_request(body) -> ChatRequest:
     if 0 < request.temperature < MIN_TEMPERATURE:
         raise RequestError(400, f"temperature {request.temperature!r} is too small to sample with: use 0 for greedy "
                                 f"decoding or a value of at least {MIN_TEMPERATURE}", param="temperature")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, penalty):
+            raise RequestError(400, f"{penalty} is not supported by this server: send 0 (or leave it out)",
+                               param=penalty)
     return request
 
 

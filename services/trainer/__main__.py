@@ -11,39 +11,47 @@ The tiny model and its SFT warm-start are built first when the profile bootstrap
 
 from __future__ import annotations
 
-import argparse
 import sys
+from pathlib import Path
 
-from shared.config import DEFAULT_CONFIG, ConfigError, add_config_arguments, config_from_args
+from shared.config import DEFAULT_CONFIG, ConfigError, command_line, config_from_args
 
 
 def main(argv: list[str] | None = None) -> None:
     argv_given = argv
     argv = sys.argv[1:] if argv is None else argv
     submitting = argv[:1] == ["submit"]
-    parser = argparse.ArgumentParser(prog="python -m services.trainer" + (" submit" if submitting else ""),
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_arguments(parser)
+    parser = command_line("python -m services.trainer" + (" submit" if submitting else ""), __doc__)
     parser.add_argument("--backend", choices=["local", "skyrl"], default=None, help="override the profile's backend")
     parser.add_argument("--dry-run", action="store_true",
                         help="skyrl: print SkyRL's overrides (validated by SkyRL where it is installed) and the command, run nothing")
     parser.add_argument("--preflight", action="store_true",
                         help="skyrl: run the set-up up to the GPU work (SkyRL config, Ray runtime env, env in a worker), then exit")
+    parser.add_argument("--allow-changed-settings", action="store_true",
+                        help="continue a run whose checkpoint was trained with other settings (and score again its "
+                             "evals that were played under other settings) instead of stopping")
     if submitting:
         parser.add_argument("--force", action="store_true", help="submit even if the HyperPod preflight finds a mismatch")
         parser.add_argument("--no-follow", action="store_true", help="return after submitting instead of streaming logs")
         parser.add_argument("--timeout", type=float, default=None, help="stop following after this many seconds")
+        parser.add_argument("--record-dir", default=None,
+                            help="where this machine records the job (<dir>/<run_id>.json; default: ~/.local/state/maze-grpo/jobs/)")
+        parser.add_argument("--forward-env", action="append", default=[], metavar="NAME",
+                            help="also send this shell's NAME to the job (e.g. SHARED_DIR; by default the job uses the "
+                                 "cluster's own storage); repeatable")
     args = parser.parse_intermixed_args(argv[1:] if submitting else argv)
     backend = [f"backend={args.backend}"] if args.backend else []
     cfg = config_from_args(args, backend)
     overrides = list(args.overrides) + backend
 
     if submitting:
-        from services.trainer.submit import PreflightError, submit
+        from services.trainer.submit import RECORD_DIR, PreflightError, submit
 
         try:
             record = submit(cfg, args.config or str(DEFAULT_CONFIG), overrides, force=args.force,
-                            follow=not args.no_follow, timeout_s=args.timeout, preflight=args.preflight)
+                            follow=not args.no_follow, timeout_s=args.timeout, preflight=args.preflight,
+                            record_dir=Path(args.record_dir) if args.record_dir else RECORD_DIR,
+                            forward=tuple(args.forward_env))
         except PreflightError as exc:
             sys.exit(f"error: {exc}")
         if record.get("status") not in (None, "SUCCEEDED"):
@@ -74,10 +82,15 @@ def main(argv: list[str] | None = None) -> None:
             elif cfg.backend == "skyrl":
                 skyrl_backend.run(cfg)
             else:
-                from services.trainer.grpo import Trainer
+                from services.trainer.grpo import Trainer, TrainingStopped
 
-                Trainer(cfg).run()
-    except (RunLocked, ModelLoadError, ConfigError, skyrl_backend.SkyRLRejected) as exc:
+                try:
+                    Trainer(cfg, allow_changed_settings=args.allow_changed_settings).run()
+                except TrainingStopped as exc:
+                    sys.exit(f"error: {exc}")
+    except ConfigError as exc:
+        sys.exit(str(exc))  # already one line that starts "config error:"
+    except (RunLocked, ModelLoadError, skyrl_backend.SkyRLRejected) as exc:
         sys.exit(f"error: {exc}")
 
 

@@ -9,8 +9,8 @@ complete checkpoint, reproducing the uninterrupted run (rollout seeds depend onl
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -25,21 +25,27 @@ import ray
 import torch
 from tqdm import tqdm
 
+from services.trainer.report import compare_evals, compare_sampled, run_summary, write_run_report
 from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy, load_adapter_weights
 from services.trainer.sft import ensure_sft
-from shared.config import RunConfig, dump_config
-from shared.episodes import EpisodeSettings
-from shared.evaluation import (
-    describe,
-    evaluate,
-    paired_comparison,
-    plot_solve_rate,
-    solved_by_seed,
-    wilson_interval,
+from shared.branching import junction_accuracy, solver_decisions
+from shared.config import (
+    ConfigError,
+    RunConfig,
+    changed_settings,
+    check_trainable,
+    dump_config,
+    eval_settings,
+    settings_hash,
+    training_settings,
 )
+from shared.episodes import EpisodeSettings
+from shared.evaluation import describe, evaluate
+from shared.machine import machine_info
 from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
-from shared.models.engine import LocalEngine, TrainingSample, collate, token_logprobs
+from shared.models.engine import LocalEngine, MergedCopy, TrainingSample, collate, token_logprobs
 from shared.storage.files import append_jsonl, atomic_write_text, read_jsonl, staged_dir
+from shared.storage.manifest import model_identity
 from shared.storage.volume import LATEST_STEP_FILE, SharedVolume, latest_complete_step, step_dirs
 
 # ---- the math ---------------------------------------------------------------------------------------
@@ -85,7 +91,7 @@ def step_advantages(rewards: list[float], states: list[list], gamma: float, std_
 
 
 def branch_advantages(rewards: list[float], states: list[list], std_normalize: bool = True,
-                      eps: float = 1e-6) -> list[list[float]]:
+                      eps: float = 1e-6, key: str = "turn_state") -> list[list[float]]:
     """Returns GRPO's advantage split over the turns where one group's episodes branch, [episode][turn].
 
     The value of (turn t, state s) is the mean reward of the group's episodes that were in s before turn t;
@@ -94,39 +100,72 @@ def branch_advantages(rewards: list[float], states: list[list], std_normalize: b
     estimated from the group. An episode's advantages sum to its reward minus the group mean, GRPO's
     advantage, but only the turns after which outcomes differ get any: the shared opening of a group and
     everything past the last branch get exactly zero. Divided by the group's reward std as in GRPO.
+    `key="state"` keys the values on the state alone: an episode that wasted a turn (a wall, an unreadable reply)
+    is then still compared with its group at the junctions it reaches later, instead of being out of step.
     """
+    def node(t, state):
+        return state if key == "state" else (t, state)
+
     members: dict = {}
     for e, turns in enumerate(states):
         for t, state in enumerate(turns):
-            members.setdefault((t, state), []).append(e)
-    value = {node: math.fsum(rewards[e] for e in group) / len(group) for node, group in members.items()}
+            group = members.setdefault(node(t, state), [])
+            if e not in group:  # an episode back at a state it visited counts once there
+                group.append(e)
+    value = {n: math.fsum(rewards[e] for e in group) / len(group) for n, group in members.items()}
     scale = 1.0 / (statistics.stdev(rewards) + eps) if std_normalize and len(rewards) > 1 else 1.0
     out = []
     for e, turns in enumerate(states):
-        here = [value[(t, state)] for t, state in enumerate(turns)]
+        here = [value[node(t, state)] for t, state in enumerate(turns)]
         after = here[1:] + [rewards[e]]
         out.append([(a - h) * scale for h, a in zip(here, after)])  # equal values give exactly 0.0
     return out
 
 
-def credit_turns(groups: list[MazeGroup], algo) -> tuple[list[TrainingSample], list[list[TrainingSample]]]:
+@dataclasses.dataclass
+class SignalGroup:
+    """The samples of one maze group that carry a learning signal, and the size of the whole group they came from
+    (every credited sample, zero advantage included: what SkyRL's token_mean and sequence_mean divide by)."""
+
+    samples: list[TrainingSample]
+    tokens: int  # response tokens of every credited sample of the group
+    count: int  # credited samples of the group
+
+
+def _signal(credited: list[TrainingSample], keep_all: bool = False) -> SignalGroup | None:
+    kept = credited if keep_all else [s for s in credited if s.advantage != 0.0]
+    if not kept:
+        return None
+    return SignalGroup(kept, sum(sum(s.response_mask) for s in credited), len(credited))
+
+
+def credit_turns(groups: list[MazeGroup], algo) -> tuple[list[TrainingSample], list[SignalGroup]]:
     """Returns (every turn's sample with its advantage, the samples of each group that carries signal).
 
     A turn's advantage is its episode's GRPO advantage (reward minus the group's mean, / std), plus
     `step_advantage_weight` x its step-level advantage under gigpo; under branch it is the episode's GRPO
     advantage split over its turns (`branch_advantages`). Zero-advantage samples give zero policy gradient
-    (no KL term by default), so they are left out of the groups to train on. The samples come back as copies:
-    the rollout's own stay as played.
+    (no KL term by default), so they are left out of the groups to train on; so is a group left with fewer than
+    two episodes (the engine failed the others), which has no baseline. The samples come back as copies: the
+    rollout's own stay as played.
     """
     samples, signal = [], []
-    rewards = torch.tensor([group.rewards for group in groups], dtype=torch.float32)  # [groups, n]
-    for group, row in zip(groups, group_advantages(rewards, algo.std_normalize).tolist()):
+    for group in groups:
+        if group.anchored:
+            credited = decision_advantages(group, algo)
+            samples.extend(credited)
+            if (found := _signal(credited)) is not None:
+                signal.append(found)
+            continue
         states = [e.states for e in group.episodes]
-        if algo.advantage_estimator == "branch":
-            per_turn = branch_advantages(group.rewards, states, algo.std_normalize)
+        if len(group.episodes) < 2:
+            per_turn = [[0.0] * len(e.samples) for e in group.episodes]
+        elif algo.advantage_estimator == "branch":
+            per_turn = branch_advantages(group.rewards, states, algo.std_normalize, key=algo.branch_key)
         else:
+            row = group_advantages(torch.tensor([group.rewards], dtype=torch.float32), algo.std_normalize)[0].tolist()
             per_turn = [[advantage] * len(e.samples) for advantage, e in zip(row, group.episodes)]
-        if algo.advantage_estimator == "gigpo":
+        if algo.advantage_estimator == "gigpo" and len(group.episodes) > 1:
             steps = step_advantages(group.rewards, states, algo.gamma, algo.std_normalize)
             per_turn = [[a + algo.step_advantage_weight * b for a, b in zip(turns, extra)]
                         for turns, extra in zip(per_turn, steps)]
@@ -134,10 +173,174 @@ def credit_turns(groups: list[MazeGroup], algo) -> tuple[list[TrainingSample], l
                     for episode, advantages in zip(group.episodes, per_turn)
                     for sample, advantage in zip(episode.samples, advantages)]
         samples.extend(credited)
-        kept = credited if algo.use_kl_loss else [s for s in credited if s.advantage != 0.0]
-        if kept:
-            signal.append(kept)
+        if (found := _signal(credited, keep_all=algo.use_kl_loss)) is not None:
+            signal.append(found)
     return samples, signal
+
+
+def update_policy(model, optimizer, params, processor, groups: list[SignalGroup], algo, temperature: float,
+                  per_update: int, step: int) -> dict:
+    """Trains the policy on the step's signal-carrying groups; returns the policy/* metrics.
+
+    Mini-batches of `per_update` maze groups, one optimizer step each (SkyRL's policy_mini_batch_size), for
+    `update_epochs` passes; token-level PPO-clip over assistant tokens in the configured reduction. Advantages, each
+    loss and each gradient norm are checked finite first: a non-finite one raises TrainingStopped before the
+    optimizer steps on it.
+    """
+    trained = [s for group in groups for s in group.samples]
+    check_finite("an advantage", torch.tensor([s.advantage for s in trained]), step,
+                 "Check algorithm.std_normalize and the rewards (env.reward).")
+    fill_old_logprobs(model, processor, trained, temperature, algo.micro_batch_size)
+    model.train()
+    loss_sum = clipped = entropy_sum = grad_norm_sum = 0.0
+    updates = 0
+    for _ in range(algo.update_epochs):
+        for first in range(0, len(groups), per_update):
+            chosen = groups[first : first + per_update]
+            mini = [s for group in chosen for s in group.samples]
+            tokens, count = loss_denominators(chosen, algo.loss_reduction)
+            optimizer.zero_grad()
+            for i in range(0, len(mini), algo.micro_batch_size):
+                batch = collate(processor, mini[i : i + algo.micro_batch_size])
+                logprobs, entropy = token_logprobs(model, batch, temperature)
+                mask = batch["response_mask"]
+                weights = loss_row_weights(mask, algo.loss_reduction, tokens, count)
+                loss, n_clipped = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                                algo.eps_clip_low, algo.eps_clip_high, weights)
+                if algo.use_kl_loss:
+                    with torch.no_grad(), model.disable_adapter():
+                        ref_logprobs, _ = token_logprobs(model, batch, temperature)
+                    log_ratio = ref_logprobs - logprobs
+                    kl = (torch.exp(log_ratio) - log_ratio - 1) * mask  # k3 estimator
+                    loss = loss + algo.kl_loss_coef * (kl * weights[:, None]).sum()
+                check_finite("the loss", loss.item(), step, "Lower algorithm.lr, or check the rewards and advantages.")
+                loss.backward()
+                loss_sum += loss.item()
+                clipped += n_clipped.item()
+                entropy_sum += (entropy * mask).sum().item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, algo.max_grad_norm).item()
+            check_finite("the gradient norm", grad_norm, step, "Lower algorithm.lr or algorithm.max_grad_norm.")
+            grad_norm_sum += grad_norm
+            optimizer.step()
+            updates += 1
+    model.eval()
+    tokens = sum(sum(s.response_mask) for s in trained) * algo.update_epochs
+    return {"policy/entropy": entropy_sum / max(tokens, 1), "policy/clip_fraction": clipped / max(tokens, 1),
+            "policy/loss": loss_sum / max(updates, 1), "policy/grad_norm": grad_norm_sum / max(updates, 1),
+            "policy/updates": updates,
+            "policy/kl": update_kl(model, processor, trained, temperature, algo.micro_batch_size)}
+
+
+def loss_denominators(groups: list[SignalGroup], reduction: str) -> tuple[int, int]:
+    """Returns (tokens, samples) a mini-batch's summed loss is divided by: SkyRL's token_mean and sequence_mean count
+    every credited sample of its groups, zero advantage included; token_mean_signal only those that carry signal."""
+    if reduction == "token_mean_signal":
+        return sum(sum(s.response_mask) for g in groups for s in g.samples), sum(len(g.samples) for g in groups)
+    return sum(g.tokens for g in groups), sum(g.count for g in groups)
+
+
+@torch.no_grad()
+def update_kl(model, processor, samples: list[TrainingSample], temperature: float, micro_batch_size: int) -> float:
+    """Returns how far the step moved the policy on what it trained on: the mean k3 estimate of KL(before || after)
+    over the trained reply tokens (the dial for learning rate and batch size)."""
+    total = count = 0.0
+    for i in range(0, len(samples), micro_batch_size):
+        chunk = samples[i : i + micro_batch_size]
+        batch = collate(processor, chunk)
+        logprobs, _ = token_logprobs(model, batch, temperature)
+        mask = batch["response_mask"]
+        log_ratio = (logprobs - batch["old_logprobs"]) * mask
+        total += ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum().item()
+        count += mask.sum().item()
+    return total / max(count, 1)
+
+
+def branch_metrics(played: list[MazeGroup]) -> dict:
+    """Returns how a greedy_branch step's branches ended against their anchors: rescues (the anchor failed, the
+    branch solved), breaks (the other way round), and the branches played."""
+    pairs = [(group.episodes[0].solved, b.solved) for group in played if group.episodes for b in group.episodes[1:]]
+    return {"train/branches": len(pairs), "train/branch_rescues": sum(b and not a for a, b in pairs),
+            "train/branch_breaks": sum(a and not b for a, b in pairs)}
+
+
+@torch.no_grad()
+def fill_old_logprobs(model, processor, samples: list[TrainingSample], temperature: float, micro_batch_size: int) -> None:
+    """Sets old_logprobs, where a sample has none (replies the rollout did not sample), to the policy's own before
+    any update of this step: the PPO ratio then starts at exactly 1."""
+    missing = [s for s in samples if s.old_logprobs is None]
+    model.eval()
+    for i in range(0, len(missing), micro_batch_size):
+        chunk = missing[i : i + micro_batch_size]
+        batch = collate(processor, chunk)
+        logprobs, _ = token_logprobs(model, batch, temperature)
+        for row, sample in enumerate(chunk):
+            positions = [j for j, m in enumerate(sample.response_mask) if m]
+            sample.old_logprobs = logprobs[row, positions].tolist()
+
+
+def check_rollout_errors(played: list[MazeGroup], max_fraction: float, step: int) -> None:
+    """Raises TrainingStopped when more than `max_fraction` of the step's episodes failed in the engine."""
+    failed = [(error, group.log) for group in played for error in group.errors]
+    total = sum(len(group.episodes) + len(group.errors) for group in played)
+    if failed and len(failed) > max_fraction * total:
+        error, log = failed[0]
+        where = f"; the worker log says more: {log}" if log else ""
+        raise TrainingStopped(
+            f"step {step}: {len(failed)} of {total} rollout episodes failed in the engine (more than "
+            f"rollout.max_error_fraction = {max_fraction}), first: {error.splitlines()[0][:300]}{where}")
+
+
+def decision_advantages(group: MazeGroup, algo) -> list[TrainingSample]:
+    """Returns the samples of one greedy-anchored group (rollout.strategy=greedy_branch) with their advantages.
+
+    Each turn where the anchor branched is a comparison of its own: the anchor's reply there (its return: the
+    anchor's reward) and each branch's forced reply (its return: that branch's reward, played on greedily).
+
+    `decision_weights=policy` (the default) gives each reply the expected policy gradient over the replies compared:
+    with w_i its probability under the policy, renormalised over them, and V = sum_i w_i R_i, the advantage is
+    max(w_i, decision_weight_floor) x (R_i - V) (/ the returns' std). A rare alternative that fails then costs its
+    own probability little and leaks nothing to the other tokens (the logit update sums to zero), where equal
+    weights push a near-zero token down hard and, step after step, drain the replies' shared tokens; the floor
+    keeps a push on rare replies that win, such as a step back. `uniform` is GRPO over the replies: R_i - mean.
+    The anchor's other turns carry no comparison and are not trained."""
+    anchor, branches = group.episodes[0], group.episodes[1:]
+    by_turn: dict[int, list] = {}
+    for played in branches:
+        by_turn.setdefault(played.branch_turn, []).append(played)
+    credited = []
+    for turn, members in sorted(by_turn.items()):
+        rewards = [anchor.reward] + [m.reward for m in members]
+        replies = [anchor.samples[turn]] + [m.samples[0] for m in members]
+        scale = 1.0
+        if algo.std_normalize and len(set(rewards)) > 1:
+            scale = 1.0 / (statistics.stdev(rewards) + 1e-6)
+        if algo.decision_weights == "uniform":
+            mean = math.fsum(rewards) / len(rewards)
+            advantages = [(r - mean) * scale for r in rewards]
+        else:
+            probs = [anchor.reply_probs[turn]] + [m.reply_probs[0] for m in members]
+            if any(p is None for p in probs):  # an engine that gave no log-probabilities: weigh the replies alike
+                probs = [1.0] * len(probs)
+            total = math.fsum(probs)
+            weights = [p / total for p in probs]
+            value = math.fsum(w * r for w, r in zip(weights, rewards))
+            advantages = [max(w, algo.decision_weight_floor) * (r - value) * scale for w, r in zip(weights, rewards)]
+        credited.extend(dataclasses.replace(sample, advantage=0.0 if len(set(rewards)) == 1 else a)
+                        for sample, a in zip(replies, advantages))
+    return credited
+
+
+class TrainingStopped(RuntimeError):
+    """A run that must not go on (its rollouts failed, or a loss went non-finite), said in one line; nothing of the
+    failing step is written."""
+
+
+def check_finite(name: str, value: float | torch.Tensor, step: int, hint: str) -> None:
+    """Raises TrainingStopped when `value` (a number or tensor) holds a NaN or an infinity."""
+    finite = bool(torch.isfinite(value).all()) if isinstance(value, torch.Tensor) else math.isfinite(value)
+    if not finite:
+        raise TrainingStopped(f"step {step}: {name} is not finite ({value if not isinstance(value, torch.Tensor) else 'NaN/inf'}); "
+                              f"stopped before the optimizer step, nothing of this step was written. {hint}")
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -163,14 +366,14 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
 def loss_row_weights(response_mask: torch.Tensor, reduction: str, total_tokens: int, total_samples: int) -> torch.Tensor:
     """Returns per-sample loss weights [B] that turn a summed loss into the configured reduction over the step.
 
-    token_mean: every response token of the step weighs the same (1 / all response tokens);
+    token_mean (and token_mean_signal): every response token weighs the same (1 / the denominator's tokens);
     sequence_mean: every sample weighs the same, its tokens averaged (1 / (its tokens x all samples)).
     """
-    if reduction == "token_mean":
+    if reduction in ("token_mean", "token_mean_signal"):
         return torch.full((response_mask.shape[0],), 1.0 / max(total_tokens, 1))
     if reduction == "sequence_mean":
         return 1.0 / (response_mask.sum(dim=1).clamp(min=1) * max(total_samples, 1))
-    raise ValueError(f"unknown loss_reduction {reduction!r}: use 'token_mean' or 'sequence_mean'")
+    raise ValueError(f"unknown loss_reduction {reduction!r}: use 'token_mean', 'token_mean_signal' or 'sequence_mean'")
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------
@@ -183,13 +386,15 @@ def save_adapter(model, folder: Path) -> None:
 
 
 def save_checkpoint(volume: SharedVolume, run_id: str, step: int, model, optimizer, tickets: TrainingTickets,
-                    keep: int | None = None) -> Path:
-    """Writes ckpts/global_step_N (adapter, optimizer, RNG, step, data cursor) atomically, then the pointer; keeps the newest `keep`."""
+                    settings: dict, keep: int | None = None) -> Path:
+    """Writes ckpts/global_step_N (adapter, optimizer, RNG, step, data cursor, the settings that trained it)
+    atomically, then the pointer; keeps the newest `keep`."""
     final = volume.ckpt(run_id, step)
     with staged_dir(final) as tmp:
         save_adapter(model, tmp / "policy")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {"step": step, "tickets": tickets.state(), "python_rng": repr(random.getstate())}
+        state = {"step": step, "tickets": tickets.state(), "python_rng": repr(random.getstate()),
+                 "settings_hash": settings_hash(settings), "settings": settings}
         torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state()}, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
     atomic_write_text(volume.ckpts(run_id) / LATEST_STEP_FILE, f"{step}\n")
@@ -198,6 +403,11 @@ def save_checkpoint(volume: SharedVolume, run_id: str, step: int, model, optimiz
         for _, older in step_dirs(volume.ckpts(run_id))[:-keep]:
             shutil.rmtree(older, ignore_errors=True)
     return final
+
+
+def checkpoint_settings(folder: Path) -> dict | None:
+    """Returns the training settings a checkpoint records (None for one written before they were recorded)."""
+    return json.loads((folder / "trainer_state.json").read_text()).get("settings")
 
 
 def load_checkpoint(folder: Path, model, optimizer, tickets: TrainingTickets) -> int:
@@ -216,116 +426,185 @@ def load_checkpoint(folder: Path, model, optimizer, tickets: TrainingTickets) ->
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, log=print):
+    """One local GRPO run: `run()` is set-up, resume, the step loop, finish; `train_step(step)` is one step.
+
+    `allow_changed_settings` continues a run whose checkpoint was trained with other settings (and re-scores evals
+    on disk that were played under other settings) instead of stopping."""
+
+    def __init__(self, cfg: RunConfig, log=print, allow_changed_settings: bool = False):
         self.cfg, self.log = cfg, log
         self.volume = SharedVolume(cfg.shared_path())
         self.run_dir = self.volume.run(cfg.run_id)
+        self.allow_changed = allow_changed_settings
+        self.settings = training_settings(cfg)
+        self.history: dict[int, dict] = {}  # step -> the 64-maze eval's summary
 
     def run(self) -> dict:
-        cfg, volume, run_id = self.cfg, self.volume, self.cfg.run_id
         started = time.perf_counter()
+        step = self.set_up()
+        if self.cfg.schedule.eval_before_train and step == 0:
+            self.held_out_eval(0)
+        bar = tqdm(total=self.cfg.schedule.total_steps, initial=step, desc=f"grpo {self.cfg.run_id}", unit="step")
+        while step < self.cfg.schedule.total_steps:
+            step += 1
+            metrics = self.train_step(step)
+            self.end_step(step, metrics)
+            last_eval = self.history[max(self.history)]["solve_rate"] if self.history else float("nan")
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", solve=f"{metrics['train/solve_rate']:.2f}",
+                            eval=f"{last_eval:.2f}", errors=metrics["rollout/errors"])
+            bar.update(1)
+        bar.close()
+        return self.finish(step, time.perf_counter() - started)
+
+    # ---- set-up and resume --------------------------------------------------------------------------
+
+    def set_up(self) -> int:
+        """Builds the policy, optimizer, eval sets, maze stream and rollout workers; returns the step to start after."""
+        cfg = self.cfg
+        check_trainable(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg))
         base_dir = ensure_sft(cfg, log=self.log)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
+        self.model, self.processor = build_policy(base_dir, cfg.lora, cfg.model.base_model_id, cfg.model.dtype,
+                                                  trainable=True)
+        check_reply_budget(cfg, self.processor)
+        self.base_identity = model_identity(base_dir)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=cfg.algorithm.weight_decay)
+        self.eval_set = EvalSet.held_out(cfg.env)
+        self.extended = EvalSet.extended(cfg.env)
+        for eval_set in (self.eval_set, self.extended):
+            if eval_set:
+                eval_set.save(self.volume.dataset(cfg.env.eval_env))
+        self.tickets = TrainingTickets.for_rl(cfg.env, excluded_from_training(cfg.env))
 
-        model, processor = build_policy(base_dir, cfg.lora, cfg.model.base_model_id, cfg.model.dtype, trainable=True)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.algorithm.lr, weight_decay=cfg.algorithm.weight_decay)
-        eval_set = EvalSet.held_out(cfg.env)
-        eval_set.save(volume.dataset(cfg.env.eval_env))
-        extended = EvalSet.extended(cfg.env)
-        if extended:
-            extended.save(volume.dataset(cfg.env.eval_env))
-        tickets = TrainingTickets.for_rl(cfg.env, excluded_from_training(cfg.env))
-
-        step = 0
-        if cfg.schedule.resume_mode == "latest":
-            found = latest_complete_step(volume.ckpts(run_id), warn=lambda m: self.log(f"warning: {m}"))
-            if found:
-                step = load_checkpoint(found[1], model, optimizer, tickets)
-                self.log(f"resuming {run_id} from {found[1]} (step {step})")
+        step, changes = self.resume()
+        self._record_settings(step, changes)
         self._truncate_metrics(step)
-
+        self.history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
         self._start_ray()
         # The workers share this machine's cores (on a cluster each gets its own node's).
         threads = max(1, (os.cpu_count() or 1) // cfg.rollout.num_workers)
-        workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir), threads)
-                   for _ in range(cfg.rollout.num_workers)]
-        # The trainer's state: what each train_step(step) works on.
-        self.model, self.processor, self.params, self.optimizer = model, processor, params, optimizer
-        self.workers, self.tickets = workers, tickets
-        engine = LocalEngine.for_model(cfg, model, processor, name=cfg.model.base_model_id, adapter=run_id)
-        eval_settings = EpisodeSettings.from_config(cfg)
-        history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
+        self.workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir), threads)
+                        for _ in range(cfg.rollout.num_workers)]
+        # Evaluations play a merged copy of the policy (its LoRA folded into the weights): PEFT's speed is not needed.
+        self.eval_policy = MergedCopy(self.model)
+        self.engine = LocalEngine.for_model(cfg, self.eval_policy.model, self.processor, name=cfg.model.base_model_id,
+                                            adapter=cfg.run_id)
+        self._sync(step)
+        return step
 
-        def run_eval(at_step: int) -> dict:
-            out = volume.eval(run_id, f"global_step_{at_step}")
-            if (out / "summary.json").exists():
-                # Evaluated before a restart (the replayed step reproduces that model): reuse it, and keep
-                # history.jsonl and the final table whole, since the restart dropped lines past its checkpoint.
-                summary = json.loads((out / "summary.json").read_text())
-            else:
-                model.eval()
-                summary, _ = evaluate(engine, eval_set, eval_settings, out, model=cfg.model.base_model_id,
-                                      adapter=f"{run_id}@global_step_{at_step}", extra={"step": at_step})
-                self.log(f"eval @ step {at_step}: " + describe(summary))
-            if at_step not in history:
-                append_jsonl(self.run_dir / "evals" / "history.jsonl", {"step": at_step, **summary})
-                history[at_step] = summary
-            return summary
+    def resume(self) -> tuple[int, list[str]]:
+        """Loads the latest complete checkpoint (resume_mode=latest); returns (its step, the settings that changed
+        since). Other settings than the checkpoint's stop the run unless allow_changed_settings says go on."""
+        cfg = self.cfg
+        if cfg.schedule.resume_mode != "latest":
+            return 0, []
+        found = latest_complete_step(self.volume.ckpts(cfg.run_id), warn=lambda m: self.log(f"warning: {m}"))
+        if not found:
+            return 0, []
+        recorded = checkpoint_settings(found[1])
+        changes = (["(the checkpoint records no settings)"] if recorded is None
+                   else changed_settings(recorded, self.settings))
+        if changes and not self.allow_changed:
+            raise ConfigError(
+                f"config error: run {cfg.run_id!r} was trained to {found[1].name} with other settings: "
+                f"{', '.join(changes)}; start a new run (run_id=<new id>), or continue this one with the new settings "
+                "on purpose with --allow-changed-settings")
+        step = load_checkpoint(found[1], self.model, self.optimizer, self.tickets)
+        self.log(f"resuming {cfg.run_id} from {found[1]} (step {step})"
+                 + (f" with changed settings: {', '.join(changes)}" if changes else ""))
+        return step, changes
 
-        def run_extended(at_step: int) -> Path:
-            """Scores the warm start (step 0: the adapter switched off) or the policy on the extended held-out set."""
-            out = volume.eval(run_id, f"extended_step_{at_step}")
-            if not (out / "summary.json").exists():
-                model.eval()
-                name = "warm start" if at_step == 0 else f"step {at_step}"
-                with model.disable_adapter() if at_step == 0 else contextlib.nullcontext():
-                    summary, _ = evaluate(engine, extended, eval_settings, out, model=cfg.model.base_model_id,
-                                          adapter=None if at_step == 0 else f"{run_id}@global_step_{at_step}",
-                                          extra={"step": at_step}, progress=f"extended eval ({name})")
-                self.log(f"extended eval, {name}: " + describe(summary))
-            return out
+    def _record_settings(self, step: int, changes: list[str]) -> None:
+        """Writes run.yaml (the config now) and appends this start to config_history.jsonl (what every start used)."""
+        atomic_write_text(self.run_dir / "run.yaml", dump_config(self.cfg))
+        append_jsonl(self.run_dir / "config_history.jsonl", {
+            "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "from_step": step, "settings_hash": settings_hash(self.settings), "changed": changes,
+            "settings": self.settings, "machine": machine_info()})
 
-        if cfg.schedule.eval_before_train and step == 0:
-            run_eval(0)
-        if extended:
-            run_extended(0)
-        self._sync(model, workers, step)
+    # ---- evaluations --------------------------------------------------------------------------------
 
-        bar = tqdm(total=cfg.schedule.total_steps, initial=step, desc=f"grpo {run_id}", unit="step")
-        while step < cfg.schedule.total_steps:
-            step += 1
-            metrics = self.train_step(step)
-            sync_started = time.perf_counter()
-            self._sync(model, workers, step)
-            metrics["timing/sync_s"] = round(time.perf_counter() - sync_started, 3)
+    def _policy(self, step: int) -> dict:
+        """Returns what identifies the policy at `step`: the warm start's files, plus (after step 0) this run's
+        training settings and the step."""
+        if step == 0:
+            return {"base_model": self.base_identity}
+        return {"base_model": self.base_identity, "run_settings": settings_hash(self.settings), "step": step}
 
-            sched = cfg.schedule
-            final = step == sched.total_steps
-            if (sched.eval_interval and step % sched.eval_interval == 0) or final:
-                metrics["eval/solve_rate"] = run_eval(step)["solve_rate"]
-            if step % sched.hf_save_interval == 0 or final:
-                with staged_dir(volume.export(run_id, step)) as tmp:
-                    save_adapter(model, tmp)
-            if step % sched.ckpt_interval == 0 or final:
-                save_checkpoint(volume, run_id, step, model, optimizer, tickets, keep=sched.max_ckpts_to_keep)
-            append_jsonl(volume.metrics(run_id), metrics)
-            last_eval = history[max(history)]["solve_rate"] if history else float("nan")
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", solve=f"{metrics['train/solve_rate']:.2f}",
-                            eval=f"{last_eval:.2f}")
-            bar.update(1)
-        bar.close()
-        extended_dirs = (run_extended(0), run_extended(step)) if extended and step else None
-        return self._finish(history, extended_dirs, tickets, time.perf_counter() - started)
+    def _evaluation(self, name: str, eval_set: EvalSet, step: int, samples: int = 1, probe: bool = False) -> dict:
+        """Returns the summary of eval `name` (the policy at `step` on `eval_set`), scored now unless a folder from
+        the same policy under the same eval settings is on disk; one from other settings stops the run (or is
+        scored again under allow_changed_settings)."""
+        cfg = self.cfg
+        out = self.volume.eval(cfg.run_id, name)
+        identity = {"eval_settings": eval_settings(cfg), "policy": self._policy(step), "samples_per_maze": samples}
+        if (out / "summary.json").exists():
+            summary = json.loads((out / "summary.json").read_text())
+            recorded = {key: summary.get(key) for key in identity}
+            if recorded == identity and (not probe or "junctions" in summary):
+                return summary  # played before a restart (a replayed step reproduces that policy)
+            differing = [key for key in identity if recorded[key] != identity[key]]
+            if differing and not self.allow_changed:
+                raise ConfigError(f"config error: {out} was scored under other settings ({', '.join(differing)} "
+                                  "differ); start a new run (run_id=<new id>), delete that folder, or pass "
+                                  "--allow-changed-settings to score it again")
+            if differing:
+                self.log(f"warning: {out} was scored under other settings ({', '.join(differing)}): scoring it again")
+        what = "warm start" if step == 0 else f"step {step}"
+        temperature = cfg.rollout.temperature if samples > 1 else cfg.rollout.eval_temperature
+        settings = EpisodeSettings.from_config(cfg, temperature=temperature)
+        self.eval_policy.refresh(enabled=step != 0)  # the warm start is the base model: the LoRA left out
+        extra = {"step": step, **identity}
+        if probe:  # teacher-forced on the solver's paths: a low-noise score of what RL transfers to held-out mazes
+            decisions = solver_decisions(self.engine, eval_set.mazes(), settings)
+            extra.update(junctions=junction_accuracy(decisions),
+                         junction_choices=[max(range(len(r["scores"])), key=r["scores"].__getitem__)
+                                           for r in decisions if r["junction"]])
+        summary, _ = evaluate(self.engine, eval_set, settings, out, model=cfg.model.base_model_id,
+                              adapter=None if step == 0 else f"{cfg.run_id}@global_step_{step}",
+                              extra=extra, samples=samples, seed=cfg.seed,
+                              progress=f"{name} ({what})" if len(eval_set.seeds) * samples > 64 else None)
+        return summary
+
+    def held_out_eval(self, step: int) -> dict:
+        """Scores the policy at `step` on the 64 held-out mazes (greedy), with its teacher-forced junction accuracy
+        on their solver paths and the share of those decisions it makes otherwise than the warm start; keeps it in
+        evals/history.jsonl."""
+        summary = self._evaluation(f"global_step_{step}", self.eval_set, step, probe=True)
+        start = self.history.get(0) or (summary if step == 0 else None)
+        if start and start.get("junction_choices") and summary.get("junction_choices"):
+            changed = sum(a != b for a, b in zip(start["junction_choices"], summary["junction_choices"]))
+            summary["junctions"]["changed_since_warm_start"] = changed / max(len(summary["junction_choices"]), 1)
+        if step not in self.history:
+            junctions = summary.get("junctions") or {}
+            self.log(f"eval @ step {step}: " + describe(summary)
+                     + (f"; junction accuracy {100 * junctions['accuracy']:.1f}%" if junctions else ""))
+            append_jsonl(self.run_dir / "evals" / "history.jsonl", {"step": step, **summary})
+            self.history[step] = summary
+        return summary
+
+    def extended_evals(self, step: int) -> dict[str, Path]:
+        """Scores the policy at `step` (0: the warm start) on the extended set: greedy, and k samples per maze at
+        the rollout temperature (mean@k, pass@k); returns {kind: folder}."""
+        folders = {}
+        kinds = [("greedy", f"extended_step_{step}", 1)]
+        if self.cfg.rollout.eval_samples > 1:
+            kinds.append(("sampled", f"extended_sampled_step_{step}", self.cfg.rollout.eval_samples))
+        for kind, name, samples in kinds:
+            summary = self._evaluation(name, self.extended, step, samples)
+            self.log(f"extended eval ({kind}), {'warm start' if step == 0 else f'step {step}'}: " + describe(summary))
+            folders[kind] = self.volume.eval(self.cfg.run_id, name)
+        return folders
+
+    # ---- one step -----------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict:
         """Runs GRPO step `step` on the trainer's policy, optimizer, workers and maze stream; returns its metrics."""
         cfg, algo = self.cfg, self.cfg.algorithm
-        model, optimizer, processor, params = self.model, self.optimizer, self.processor, self.params
         n = cfg.rollout.n_samples_per_prompt
 
         # 1. rollout: each worker plays its share of mazes, n samples each, batched across episodes
@@ -335,74 +614,98 @@ class Trainer:
         futures = [w.rollout.remote([(m.env_id, m.seed) for m in share], n, cfg.seed * 100_003 + step * 101 + i)
                    for i, (w, share) in enumerate(zip(self.workers, shares)) if share]
         played: list[MazeGroup] = [group for result in ray.get(futures) for group in result]
-        episodes = [e for group in played for e in group.episodes]
         rollout_s = time.perf_counter() - started
+        check_rollout_errors(played, cfg.rollout.max_error_fraction, step)
 
-        # 2. reward -> 3. advantage: normalised within each maze's group of n samples
-        rewards = torch.tensor([group.rewards for group in played], dtype=torch.float32)  # [groups, n]
+        # 2. reward -> 3. advantage: within each maze's group of n samples
         samples, groups = credit_turns(played, algo)
-        # Mini-batches of maze groups, one optimizer step each (SkyRL's policy_mini_batch_size); groups without
-        # signal were dropped, so every update sees only groups that carry a learning signal.
-        per_update = algo.mini_batch_size or cfg.rollout.train_batch_size
-        mini_batches = [[s for group in groups[i : i + per_update] for s in group]
-                        for i in range(0, len(groups), per_update)]
-        active = [s for group in groups for s in group]
 
-        # 4. loss -> 5. update: token-level PPO-clip over assistant tokens, token_mean within each mini-batch
+        # 4. loss -> 5. update
         started = time.perf_counter()
-        model.train()
-        loss_sum = clipped = entropy_sum = grad_norm_sum = 0.0
-        updates = 0
-        for _ in range(algo.update_epochs):
-            for mini in mini_batches:
-                optimizer.zero_grad()
-                mini_tokens = sum(sum(s.response_mask) for s in mini)
-                for i in range(0, len(mini), algo.micro_batch_size):
-                    batch = collate(processor, mini[i : i + algo.micro_batch_size])
-                    logprobs, entropy = token_logprobs(model, batch, cfg.rollout.temperature)
-                    mask = batch["response_mask"]
-                    weights = loss_row_weights(mask, algo.loss_reduction, mini_tokens, len(mini))
-                    loss, n_clipped = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                                    algo.eps_clip_low, algo.eps_clip_high, weights)
-                    if algo.use_kl_loss:
-                        with torch.no_grad(), model.disable_adapter():
-                            ref_logprobs, _ = token_logprobs(model, batch, cfg.rollout.temperature)
-                        log_ratio = ref_logprobs - logprobs
-                        kl = (torch.exp(log_ratio) - log_ratio - 1) * mask  # k3 estimator
-                        loss = loss + algo.kl_loss_coef * (kl * weights[:, None]).sum()
-                    loss.backward()
-                    loss_sum += loss.item()
-                    clipped += n_clipped.item()
-                    entropy_sum += (entropy * mask).sum().item()
-                grad_norm_sum += torch.nn.utils.clip_grad_norm_(params, algo.max_grad_norm).item()
-                optimizer.step()
-                updates += 1
-        model.eval()
+        stats = update_policy(self.model, self.optimizer, self.params, self.processor, groups, algo,
+                              cfg.rollout.temperature, algo.mini_batch_size or cfg.rollout.train_batch_size, step)
         train_s = time.perf_counter() - started
 
-        total_tokens = sum(sum(s.response_mask) for s in active)
-        all_tokens = sum(len(s.input_ids) for s in samples)
+        # What the step's episodes say of the policy: sampled episodes, or (greedy_branch) the greedy anchors alone.
+        episodes = [e for group in played for e in (group.episodes[:1] if group.anchored else group.episodes)]
+        active = [s for group in groups for s in group.samples]
+        branching = branch_metrics(played) if cfg.rollout.strategy == "greedy_branch" else {}
         return {
             "step": step,
-            "reward/mean": rewards.mean().item(),
+            "rollout/errors": sum(len(group.errors) for group in played),
+            "reward/mean": float(np.mean([e.reward for e in episodes])),
             "train/solve_rate": float(np.mean([e.solved for e in episodes])),
             "train/format_rate": float(np.mean([e.format_rate for e in episodes])),
             "train/parse_failures": int(sum(e.parse_failures for e in episodes)),
             "train/mean_turns": float(np.mean([e.turns for e in episodes])),
-            "train/groups_with_signal": int((rewards.std(dim=1) > 0).sum().item()),
+            "train/groups_with_signal": sum(len(set(group.rewards)) > 1 for group in played),
             "train/samples": len(samples),
             "train/active_samples": len(active),
-            "policy/entropy": entropy_sum / max(total_tokens * algo.update_epochs, 1),
-            "policy/clip_fraction": clipped / max(total_tokens * algo.update_epochs, 1),
-            "policy/loss": loss_sum / max(updates, 1),
-            "policy/grad_norm": grad_norm_sum / max(updates, 1),
-            "policy/updates": updates,
+            **branching,
+            **stats,
             "timing/rollout_s": round(rollout_s, 3),
             "timing/train_s": round(train_s, 3),
-            "throughput/rollout_tokens_per_s": round(all_tokens / max(rollout_s, 1e-9), 1),
+            "throughput/rollout_tokens_per_s": round(sum(len(s.input_ids) for s in samples) / max(rollout_s, 1e-9), 1),
             "throughput/train_tokens_per_s": round(sum(len(s.input_ids) for s in active) / max(train_s, 1e-9), 1),
             "data/cursor": self.tickets.cursor,
         }
+
+    def end_step(self, step: int, metrics: dict) -> None:
+        """Syncs the new adapter to the workers, then evaluates, exports and checkpoints on the schedule, and appends
+        the step's metrics last: a crash before that line replays the step from the last checkpoint."""
+        cfg, sched = self.cfg, self.cfg.schedule
+        started = time.perf_counter()
+        self._sync(step)
+        metrics["timing/sync_s"] = round(time.perf_counter() - started, 3)
+        final = step == sched.total_steps
+        if (sched.eval_interval and step % sched.eval_interval == 0) or final:
+            summary = self.held_out_eval(step)
+            metrics["eval/solve_rate"] = summary["solve_rate"]
+            for key in ("accuracy", "mean_logprob", "changed_since_warm_start"):
+                if key in (summary.get("junctions") or {}):
+                    metrics[f"eval/junction_{key}"] = summary["junctions"][key]
+        if step % sched.hf_save_interval == 0 or final:
+            with staged_dir(self.volume.export(cfg.run_id, step)) as tmp:
+                save_adapter(self.model, tmp)
+        if step % sched.ckpt_interval == 0 or final:
+            save_checkpoint(self.volume, cfg.run_id, step, self.model, self.optimizer, self.tickets, self.settings,
+                            keep=sched.max_ckpts_to_keep)
+        append_jsonl(self.volume.metrics(cfg.run_id), metrics)
+
+    # ---- the end of a run ---------------------------------------------------------------------------
+
+    def finish(self, step: int, wall_s: float) -> dict:
+        """Scores warm start and final policy on the extended set, then writes summary.json, the curve (PNG), the
+        run's report.html and run.yaml's data ranges, and prints the summary a user reads at a glance."""
+        cfg, run_id = self.cfg, self.cfg.run_id
+        extended = {0: self.extended_evals(0), step: self.extended_evals(step)} if self.extended and step else {}
+        steps = sorted(self.history)
+        sft_eval = self.volume.model(cfg.model.path) / "eval" / "summary.json"
+        data = {"sft_seeds": json.loads(sft_eval.read_text()).get("sft_seeds") if sft_eval.exists() else None,
+                "rl_seeds": self.tickets.seed_range()}
+        atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg) + "".join(
+            f"# {name}: {value or 'none drawn'}  (seeds drawn, inclusive; written at the end of the run)\n"
+            for name, value in data.items()))
+        comparisons = {}
+        if len(steps) > 1:
+            before, after = (self.volume.eval(run_id, f"global_step_{s}") for s in (steps[0], steps[-1]))
+            comparison = compare_evals(before, after)
+            comparisons[f"held-out {comparison['before']['total']}"] = comparison
+        if extended:
+            greedy = compare_evals(extended[0]["greedy"], extended[step]["greedy"])
+            comparisons[f"extended {greedy['before']['total']}"] = greedy
+            if "sampled" in extended[0]:
+                comparisons.update(compare_sampled(extended[0]["sampled"], extended[step]["sampled"]))
+        result = {"run_id": run_id, "steps": steps[-1] if steps else 0, "wall_s": round(wall_s, 1), **data,
+                  "first_eval": self.history[steps[0]]["solve_rate"] if steps else None,
+                  "final_eval": self.history[steps[-1]]["solve_rate"] if steps else None,
+                  "curve": {str(s): self.history[s]["solve_rate"] for s in steps}, "comparisons": comparisons,
+                  "settings_hash": settings_hash(self.settings), "reward": cfg.env.reward, "machine": machine_info()}
+        if steps:
+            write_run_report(self.run_dir, result, read_jsonl(self.volume.metrics(run_id)), self.history)
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(result, indent=2) + "\n")
+        self.log(run_summary(result))
+        return result
 
     # ---- plumbing -----------------------------------------------------------------------------------
 
@@ -424,13 +727,13 @@ class Trainer:
 
             init_local_ray(_metrics_export_port=self.cfg.cluster.metrics_export_port, **quiet)
 
-    def _sync(self, model, workers, step: int) -> None:
+    def _sync(self, step: int) -> None:
         """Writes the adapter to lora_sync/ atomically and has every worker load it."""
         sync_dir = self.volume.lora_sync(self.cfg.run_id)
         with staged_dir(sync_dir) as tmp:
-            save_adapter(model, tmp)
+            save_adapter(self.model, tmp)
             (tmp / "step.txt").write_text(f"{step}\n")
-        ray.get([w.sync.remote(str(sync_dir), step) for w in workers])
+        ray.get([w.sync.remote(str(sync_dir), step) for w in self.workers])
 
     def _truncate_metrics(self, step: int) -> None:
         """On resume, drops metric lines past the checkpoint so the file matches an uninterrupted run."""
@@ -441,79 +744,18 @@ class Trainer:
         kept = [r for r in read_jsonl(hist) if int(r.get("step", 0)) <= step]
         atomic_write_text(hist, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
-    def _finish(self, history: dict, extended_dirs: tuple[Path, Path] | None, tickets: TrainingTickets,
-                wall_s: float) -> dict:
-        """Writes the curve, summary.json and run.yaml's data ranges; prints the summary a user reads at a glance."""
-        cfg, run_id = self.cfg, self.cfg.run_id
-        steps = sorted(history)
-        sft_eval = self.volume.model(cfg.model.path) / "eval" / "summary.json"
-        data = {"sft_seeds": json.loads(sft_eval.read_text()).get("sft_seeds") if sft_eval.exists() else None,
-                "rl_seeds": tickets.seed_range()}
-        atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg) + "".join(
-            f"# {name}: {value or 'none drawn'}  (seeds drawn, inclusive; written at the end of the run)\n"
-            for name, value in data.items()))
-        pairs = []  # (eval set, its warm-start folder, its final folder)
-        if len(steps) > 1:
-            pairs.append(("held-out", *(self.volume.eval(run_id, f"global_step_{s}") for s in (steps[0], steps[-1]))))
-        if extended_dirs:
-            pairs.append(("extended", *extended_dirs))
-        comparisons, extended = {}, None
-        for kind, before, after in pairs:
-            comparison = compare_evals(before, after)
-            comparisons[f"{kind} {comparison['before']['total']}"] = comparison
-            if kind == "extended":
-                extended = comparison
-        result = {"run_id": run_id, "steps": steps[-1] if steps else 0, "wall_s": round(wall_s, 1), **data,
-                  "first_eval": history[steps[0]]["solve_rate"] if steps else None,
-                  "final_eval": history[steps[-1]]["solve_rate"] if steps else None,
-                  "curve": {str(s): history[s]["solve_rate"] for s in steps}, "comparisons": comparisons}
-        if steps:
-            points = extended and {
-                "label": f"extended {extended['before']['total']} mazes",
-                "ceiling": extended["after"]["oracle_solved"] / extended["after"]["total"],
-                "points": [(e["step"], e["solved"], e["total"], e["ci_low"], e["ci_high"])
-                           for e in (extended["before"], extended["after"])]}
-            plot_solve_rate(self.run_dir / "solve_rate_vs_step.png", steps, [history[s]["solve_rate"] for s in steps],
-                            history[steps[0]]["oracle_solved"] / history[steps[0]]["total"], run_id, points)
-        atomic_write_text(self.run_dir / "summary.json", json.dumps(result, indent=2) + "\n")
-        self.log(run_summary(result))
-        return result
 
+def check_reply_budget(cfg: RunConfig, processor) -> None:
+    """Raises ConfigError when rollout.max_new_tokens cannot hold the longest reply the task asks for: every reply
+    would be cut before its action, no episode rewarded, no gradient."""
+    from shared.maze.core import generate, solve
+    from shared.maze.prompt import solver_reply
 
-def compare_evals(before_dir: Path, after_dir: Path) -> dict:
-    """Returns warm start vs final on one eval set: counts, 95% intervals, the paired test, the ceiling."""
-    before, after = solved_by_seed(before_dir), solved_by_seed(after_dir)
-    ends = {}
-    for name, folder, solved in (("before", before_dir, before), ("after", after_dir, after)):
-        summary = json.loads((folder / "summary.json").read_text())
-        low, high = wilson_interval(sum(solved.values()), len(solved))
-        ends[name] = {"step": summary.get("step"), "solved": sum(solved.values()), "total": len(solved),
-                      "ci_low": low, "ci_high": high, "oracle_solved": summary["oracle_solved"],
-                      "errors": summary.get("errors", 0), "folder": str(folder)}
-    return {**ends, "paired": paired_comparison(before, after)}
-
-
-def run_summary(result: dict) -> str:
-    """Returns the end-of-run block: warm start vs final per eval set, the ceiling, the curve, the wall time."""
-    def rate(end: dict) -> str:
-        return (f"{end['solved']}/{end['total']} {100 * end['solved'] / end['total']:.1f}% "
-                f"[{100 * end['ci_low']:.1f}-{100 * end['ci_high']:.1f}]")
-
-    table = [["", "warm start (95% CI)", "final (95% CI)", "change (paired 95% CI, McNemar p)", "ceiling"]]
-    for name, c in result["comparisons"].items():
-        p = c["paired"]
-        table.append([name, rate(c["before"]), rate(c["after"]),
-                      f"{100 * p['difference']:+.1f} pts [{100 * p['ci_low']:+.1f}, {100 * p['ci_high']:+.1f}] "
-                      f"p={p['p_value']:.2g}", f"{c['after']['oracle_solved']}/{c['after']['total']}"])
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = [f"== {result['run_id']}: {result['steps']} GRPO steps, {result['wall_s'] / 60:.1f} min wall =="]
-    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table]
-    curve = " -> ".join(f"{s}: {100 * r:.1f}%" for s, r in result["curve"].items())
-    lines.append(f"held-out curve (step: solve rate): {curve}")
-    for c in result["comparisons"].values():
-        for end in (c["before"], c["after"]):
-            if end["errors"]:
-                lines.append(f"WARNING: {end['errors']} mazes could not be scored in {end['folder']} (counted as "
-                             "failed; see its episodes.jsonl): delete the folder and run again to re-score")
-    lines.append(f"data: sft seeds {result['sft_seeds'] or 'n/a'}, rl seeds {result['rl_seeds'] or 'n/a'}")
-    return "\n".join(lines)
+    maze = generate(cfg.env.id, cfg.env.rl_seed_start)
+    actions = [("move", d) for d in sorted(set(solve(maze)))] + [("stop", "stop")]
+    longest = max(len(processor.tokenizer(solver_reply(maze, action, cfg.env.response_format, cfg.env.action_style),
+                                          add_special_tokens=False)["input_ids"]) for action in actions)
+    if cfg.rollout.max_new_tokens < longest:
+        raise ConfigError(f"config error: rollout.max_new_tokens = {cfg.rollout.max_new_tokens} is shorter than a "
+                          f"{cfg.env.response_format} reply ({longest} tokens): every reply would be cut before its "
+                          f"action; use rollout.max_new_tokens >= {longest + 1} (the reply and its end of turn)")

@@ -11,7 +11,7 @@ At the end the 64 held-out mazes are played greedily and `eval/summary.json` lan
 
 from __future__ import annotations
 
-import argparse
+import json
 import random
 import time
 from pathlib import Path
@@ -19,14 +19,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.config import ConfigError, RunConfig, add_config_arguments, config_from_args
-from shared.episodes import EpisodeSettings
+from shared.config import ConfigError, RunConfig, changed_settings, command_line, config_from_args, sft_settings
+from shared.episodes import EpisodeSettings, solver_episode
 from shared.evaluation import describe, evaluate
-from shared.maze.core import Maze, solve
+from shared.maze.core import Maze
 from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
-from shared.maze.prompt import solver_reply
-from shared.models.chat import assistant_turn, user_turn
-from shared.models.engine import LocalEngine, TrainingSample, collate, encode_conversation, load_model, token_logprobs
+from shared.models.engine import LocalEngine, TrainingSample, collate, load_model, reply_sample, token_logprobs
 from shared.models.tiny import ensure_tiny_model
 from shared.storage.files import staged_dir
 from shared.storage.manifest import is_complete
@@ -34,39 +32,20 @@ from shared.storage.volume import SharedVolume
 
 
 def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
-    """Returns the conversation of a perfect agent on `maze`: the solver's replies played through the same
-    turn protocol (`MazeSession`) every rollout goes through."""
-    from PIL import Image
-
-    session = EpisodeSettings.from_config(cfg).session(maze)
-    text, picture = session.start()
-    messages = [user_turn(text, Image.fromarray(picture))]
-    for action in [("move", d) for d in solve(maze)] + [("stop", "stop")]:
-        if session.done:
-            break
-        reply = solver_reply(session.episode.view(), action, cfg.env.response_format, cfg.env.action_style)
-        messages.append(assistant_turn(reply))
-        result = session.step(reply)
-        if result.action != action:
-            raise RuntimeError(f"the solver's reply {reply!r} reads as {result.action}, not {action}")
-        if not result.done:
-            messages.append(user_turn(result.feedback, Image.fromarray(result.picture)))
-    return messages
+    """Returns the conversation of a perfect agent on `maze` (`solver_episode`: the rollouts' turn protocol)."""
+    return solver_episode(maze, EpisodeSettings.from_config(cfg)).messages
 
 
 def turn_samples(processor, messages: list[dict], cfg: RunConfig, keep: float, rng: random.Random) -> list[TrainingSample]:
-    """Returns one sample per assistant turn: its own context (memory guard applied), loss on that turn only."""
+    """Returns one sample per assistant turn: the context a rollout engine builds before that turn (memory guard
+    applied to the turns before the reply, never counting the reply itself), then the reply; loss on the reply."""
     samples = []
-    for end in range(2, len(messages) + 1, 2):
-        if keep < 1.0 and rng.random() > keep:
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant" or (keep < 1.0 and rng.random() > keep):
             continue
-        sample = encode_conversation(processor, messages[:end], cfg.model.max_images_in_context, cfg.model.max_turns_in_context)
-        last = max(i for i, m in enumerate(sample.response_mask) if m)
-        start = last
-        while start > 0 and sample.response_mask[start - 1]:
-            start -= 1
-        sample.response_mask = [1 if start <= i <= last else 0 for i in range(len(sample.response_mask))]
-        samples.append(sample)
+        reply = "".join(part["text"] for part in message["content"] if part["type"] == "text")
+        samples.append(reply_sample(processor, messages[:index], reply, cfg.model.max_images_in_context,
+                                    cfg.model.max_turns_in_context))
     return samples
 
 
@@ -87,6 +66,7 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
     volume = SharedVolume(cfg.shared_path())
     out_dir = volume.model(cfg.model.path)
     if is_complete(out_dir) and not force:
+        check_built_with(out_dir, cfg)
         log(f"sft: {out_dir} is complete, skipping (use --force to retrain)")
         return out_dir
     base_dir = ensure_tiny_model(cfg, log=log)
@@ -147,15 +127,32 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
         summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), tmp / "eval",
                               model=cfg.model.path, adapter=None,
                               extra={"sft_samples": len(samples), "sft_batches": done_batches, "sft_train_s": round(train_s, 1),
-                                     "sft_seeds": tickets.seed_range(), "sft_seed_rejected": tickets.rejected})
+                                     "sft_seeds": tickets.seed_range(), "sft_seed_rejected": tickets.rejected,
+                                     "sft_settings": sft_settings(cfg)})
     log("sft eval: " + describe(summary))
     return out_dir
+
+
+def check_built_with(out_dir: Path, cfg: RunConfig) -> None:
+    """Raises ConfigError when the warm start in out_dir was built with other SFT settings than cfg's."""
+    summary = out_dir / "eval" / "summary.json"
+    recorded = json.loads(summary.read_text()).get("sft_settings") if summary.is_file() else None
+    if recorded is None:
+        return  # not built by this SFT (an HF checkpoint, or one from before settings were recorded)
+    changes = changed_settings(recorded, sft_settings(cfg))
+    if changes:
+        raise ConfigError(f"config error: the warm start {out_dir} was built with other settings: {', '.join(changes)}; "
+                          f"set model.path=<new name> to build one with these, or retrain it in place with "
+                          f"`python -m services.trainer.sft --force`")
 
 
 def ensure_sft(cfg: RunConfig, log=print) -> Path:
     """Returns the policy's base checkpoint, building tiny model + SFT first when the profile says so."""
     out_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
-    if is_complete(out_dir) or cfg.model.bootstrap == "none":
+    if cfg.model.bootstrap == "none":
+        return out_dir
+    if is_complete(out_dir):
+        check_built_with(out_dir, cfg)
         return out_dir
     ours = (out_dir / "manifest.json").is_file()  # a model this bootstrap wrote (now corrupt): rebuilt in place
     if out_dir.exists() and not ours and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -167,9 +164,7 @@ def ensure_sft(cfg: RunConfig, log=print) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.trainer.sft", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_arguments(parser)
+    parser = command_line("python -m services.trainer.sft", __doc__)
     parser.add_argument("--force", action="store_true", help="retrain even if a complete checkpoint exists")
     args = parser.parse_args(argv)
     run_sft(config_from_args(args), force=args.force)

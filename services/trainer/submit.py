@@ -1,10 +1,16 @@
-"""Submitting a training run to a Ray cluster: `http://head:8265` or HyperPod's `sagemaker_ray://<cluster>/<ns>`.
+"""Submitting a training run to a Ray cluster: `http://head:8265` or HyperPod's `sagemaker_ray://<raycluster>/<ns>`.
 
-    make submit CONFIG=configs/qwen3vl-8b-hyperpod.yaml RAY_ADDRESS=sagemaker_ray://my-cluster/default
+    make submit CONFIG=configs/qwen3vl-8b-hyperpod.yaml          # sagemaker_ray://<cluster.ray_cluster>/<ray_namespace>
+    make submit CONFIG=... RAY_ADDRESS=http://head:8265
 
-Before a `sagemaker_ray://` submission, a preflight describes the HyperPod cluster with the SageMaker
-Python SDK and checks its instance groups against the config's cluster section (`--force` skips it).
-The job id is recorded in the run folder and the job's logs are streamed until it ends.
+A `sagemaker_ray://` address names the RayCluster resource and its namespace (the plugin asks the EKS API for a
+RayDashboardConnection to it), not the HyperPod cluster; it is built from `cluster.ray_cluster` and
+`cluster.ray_namespace`, and a RAY_ADDRESS naming another RayCluster is refused. Before such a submission, a
+preflight describes the HyperPod cluster (`cluster.hyperpod_cluster`) with the SageMaker Python SDK and checks
+its instance groups against the config's cluster section (`--force` skips it). The job runs on the cluster's own
+storage (its pods' SHARED_DIR, S3_URI): nothing about the submitting machine's storage goes with it unless asked
+for (`--forward-env`, or a `storage.*` override). The job id is recorded on the submitting machine
+(`--record-dir`) and the job's logs are streamed until it ends.
 """
 
 from __future__ import annotations
@@ -12,12 +18,15 @@ from __future__ import annotations
 import os
 import shlex
 import time
+from pathlib import Path
 
 from shared.config import REPO_ROOT, RunConfig
 from shared.storage.files import atomic_write_json
-from shared.storage.volume import SharedVolume
 
-FORWARDED_ENV = ("SHARED_DIR", "S3_URI", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "HF_HUB_OFFLINE")
+# What goes with every job from the submitting shell: where AWS is and whether the hub is off. Storage (SHARED_DIR,
+# S3_URI, AWS_ENDPOINT_URL) is the cluster's own, set on its pods; `--forward-env NAME` sends a variable on purpose.
+FORWARDED_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION", "HF_HUB_OFFLINE")
+RECORD_DIR = Path.home() / ".local" / "state" / "maze-grpo" / "jobs"  # the submitting machine's own
 # Variables SkyRL's `initialize_ray` forwards itself from the driver's environment into its own
 # `ray.init(runtime_env=...)` (skyrl.train.utils.utils.prepare_runtime_environment). Ray refuses a key that
 # the job's runtime env already sets, so for a skyrl job these ride on the entrypoint's command line
@@ -111,14 +120,38 @@ def submit_when_ready(client, entrypoint: str, runtime_env: dict, metadata: dict
             time.sleep(5)
 
 
+def submission_address(cfg: RunConfig) -> str:
+    """Returns the cluster address to submit to: RAY_ADDRESS, else sagemaker_ray://<ray_cluster>/<ray_namespace>.
+
+    A sagemaker_ray:// RAY_ADDRESS that names another RayCluster than the profile's is refused (PreflightError):
+    the plugin would ask the EKS API for a resource that is not there ("Resource not found")."""
+    c = cfg.cluster
+    address = c.ray_address
+    if not address:
+        if c.ray_cluster:
+            return f"sagemaker_ray://{c.ray_cluster}/{c.ray_namespace}"
+        raise SystemExit("no cluster address: set RAY_ADDRESS (http://head:8265 or sagemaker_ray://<raycluster>/<namespace>), "
+                         "or cluster.ray_cluster in the profile")
+    if address.startswith("sagemaker_ray://") and c.ray_cluster:
+        from toolkit_for_ray_on_sagemaker_ai.job_submission._address import ClusterAddress, parse_address
+
+        parsed = parse_address(address[len("sagemaker_ray://"):])  # how the plugin itself reads the address
+        if isinstance(parsed, ClusterAddress) and (parsed.cluster_name, parsed.namespace) != (c.ray_cluster, c.ray_namespace):
+            raise PreflightError(
+                f"RAY_ADDRESS={address} names the RayCluster {parsed.cluster_name!r} in namespace {parsed.namespace!r}, "
+                f"but this profile's RayCluster is {c.ray_cluster!r} in {c.ray_namespace!r} (cluster.ray_cluster, "
+                f"cluster.ray_namespace); a sagemaker_ray:// address names the RayCluster resource, not the HyperPod "
+                f"cluster: use sagemaker_ray://{c.ray_cluster}/{c.ray_namespace}, or unset RAY_ADDRESS")
+    return address
+
+
 def job_spec(cfg: RunConfig, config_path: str, overrides: list[str], preflight: bool = False,
-             environ: dict | None = None) -> tuple[str, dict]:
-    """Returns (entrypoint, runtime_env) of the Ray job that runs `python -m services.trainer` for a profile."""
+             environ: dict | None = None, forward: tuple[str, ...] = ()) -> tuple[str, dict]:
+    """Returns (entrypoint, runtime_env) of the Ray job that runs `python -m services.trainer` for a profile.
+
+    The job gets FORWARDED_ENV and the `forward` variables from this shell; its storage is the cluster's own."""
     environ = os.environ if environ is None else environ
-    env_vars = {k: environ[k] for k in FORWARDED_ENV if environ.get(k)}
-    env_vars.setdefault("SHARED_DIR", cfg.storage.shared_dir)
-    if cfg.storage.s3_uri:
-        env_vars.setdefault("S3_URI", cfg.storage.s3_uri)
+    env_vars = {k: environ[k] for k in (*FORWARDED_ENV, *forward) if environ.get(k)}
     driver_env = {}
     if cfg.backend == "skyrl":
         driver_env = {k: v for k, v in env_vars.items() if k in SKYRL_FORWARDS or k.startswith("SKYRL_")}
@@ -138,28 +171,34 @@ def job_spec(cfg: RunConfig, config_path: str, overrides: list[str], preflight: 
 
 
 def submit(cfg: RunConfig, config_path: str, overrides: list[str], force: bool = False, follow: bool = True,
-           timeout_s: float | None = None, preflight: bool = False, log=print) -> dict:
-    """Submits `python -m services.trainer` as a Ray job; records the job id; streams logs; returns the record.
+           timeout_s: float | None = None, preflight: bool = False, log=print, record_dir: Path = RECORD_DIR,
+           forward: tuple[str, ...] = ()) -> dict:
+    """Submits `python -m services.trainer` as a Ray job; records the job id in record_dir/<run_id>.json on this
+    machine; streams logs; returns the record.
 
     `preflight=True` submits the skyrl backend's `--preflight`: the job sets up SkyRL and Ray on the cluster
     exactly as a run would, then stops before any GPU work.
     """
-    address = cfg.cluster.ray_address
-    if not address:
-        raise SystemExit("no cluster address: set RAY_ADDRESS (http://head:8265 or sagemaker_ray://<cluster>/<namespace>)")
+    address = submission_address(cfg)
     if address.startswith("sagemaker_ray://") and not force:
-        cluster_name = cfg.cluster.hyperpod_cluster or address[len("sagemaker_ray://"):].split("/")[0]
-        problems = check_cluster(cfg, describe_hyperpod(cluster_name, cfg.cluster.region, cfg.cluster.sagemaker_endpoint_url))
-        if problems:
-            raise PreflightError("HyperPod preflight failed: " + "; ".join(problems) + " (use --force to submit anyway)")
-        log(f"preflight: HyperPod cluster {cluster_name} matches the config")
+        cluster_name = cfg.cluster.hyperpod_cluster
+        if cluster_name:
+            problems = check_cluster(cfg, describe_hyperpod(cluster_name, cfg.cluster.region,
+                                                            cfg.cluster.sagemaker_endpoint_url))
+            if problems:
+                raise PreflightError("HyperPod preflight failed: " + "; ".join(problems) + " (use --force to submit anyway)")
+            log(f"preflight: HyperPod cluster {cluster_name} matches the config")
+        else:
+            log("preflight skipped: the profile names no cluster.hyperpod_cluster to describe")
     client = job_client(address)
-    entrypoint, runtime_env = job_spec(cfg, config_path, overrides, preflight=preflight)
+    entrypoint, runtime_env = job_spec(cfg, config_path, overrides, preflight=preflight, forward=forward)
     job_id = submit_when_ready(client, entrypoint, runtime_env, {"run_id": cfg.run_id, "project": "maze-grpo"}, log)
-    record = {"job_id": job_id, "address": address, "entrypoint": entrypoint,
+    record = {"job_id": job_id, "address": address, "entrypoint": entrypoint, "run_id": cfg.run_id,
+              "forwarded_env": sorted(runtime_env["env_vars"]),
               "submitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    atomic_write_json(SharedVolume(cfg.shared_path()).run(cfg.run_id) / "job.json", record)
-    log(f"submitted job {job_id} to {address}: {entrypoint}")
+    record_path = Path(record_dir) / f"{cfg.run_id}.json"
+    atomic_write_json(record_path, record)
+    log(f"submitted job {job_id} to {address}: {entrypoint} (recorded in {record_path})")
     if follow:
         deadline = time.time() + timeout_s if timeout_s else None
         seen = 0
@@ -176,6 +215,6 @@ def submit(cfg: RunConfig, config_path: str, overrides: list[str], force: bool =
                 record["status"] = "TIMEOUT"
                 break
             time.sleep(2)
-        atomic_write_json(SharedVolume(cfg.shared_path()).run(cfg.run_id) / "job.json", record)
+        atomic_write_json(record_path, record)
         log(f"job {job_id}: {record['status']}")
     return record

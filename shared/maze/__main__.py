@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from PIL import Image
 
+from shared.config import command_line
 from shared.maze.core import MazeEpisode, generate, solve
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.maze.render import VISGYM_CELL_PX, render_rgb, render_text, save_gif
@@ -48,7 +48,7 @@ def cmd_render(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shared.maze", description=__doc__)
+    parser = command_line("python -m shared.maze", __doc__, config=False)
     sub = parser.add_subparsers(dest="command", required=True)
     dump = sub.add_parser("dump", help="one JSON line per seed: seed, maze_map, agent, target")
     dump.add_argument("--env", default="maze_2d/easy")

@@ -164,6 +164,13 @@ def solve(maze: Maze, start: tuple[int, int] | None = None) -> list[int]:
     return moves
 
 
+def fewest_actions(env_id: str) -> int:
+    """Returns the fewest actions any maze of `env_id` needs: start and target sit in opposite corners, so the
+    shortest path is at least the corner-to-corner Manhattan distance, plus `stop`."""
+    height, width = env_size(env_id)
+    return (height - 3) + (width - 3) + 1
+
+
 def optimal_action_count(maze: Maze) -> int:
     """Returns the number of actions a perfect agent needs: the shortest path plus `stop`."""
     return len(solve(maze)) + 1

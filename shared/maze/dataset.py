@@ -99,14 +99,17 @@ class TrainingTickets:
     """
 
     def __init__(self, env_id: str, excluded: set[str], start: int, max_actions: int | None = None,
-                 stop: int | None = None):
+                 stop: int | None = None, repeat: int | None = None):
         self.env_id = env_id
         self.excluded = excluded
         self.max_actions = max_actions  # skip mazes whose shortest solution takes more actions (None: keep all)
         self.start = start
         self.stop = stop  # the stream must not reach this seed (another stream's first): ValueError there
+        self.repeat = repeat  # serve the first `repeat` mazes over and over (None: fresh mazes forever)
         self.cursor = start
         self.rejected = 0
+        self.served = 0
+        self.end = start  # one past the highest seed drawn
 
     @classmethod
     def for_sft(cls, env, excluded: set[str]) -> TrainingTickets:
@@ -116,11 +119,12 @@ class TrainingTickets:
     @classmethod
     def for_rl(cls, env, excluded: set[str]) -> TrainingTickets:
         """Returns GRPO's maze stream (only solvable mazes if the config says so), disjoint from SFT's."""
-        return cls(env.id, excluded, env.rl_seed_start, env.max_turns if env.train_solvable_only else None)
+        return cls(env.id, excluded, env.rl_seed_start, env.max_turns if env.train_solvable_only else None,
+                   repeat=env.rl_num_mazes)
 
     def seed_range(self) -> str:
         """Returns the seeds this stream has drawn so far, `A-B` inclusive (empty before the first)."""
-        return f"{self.start}-{self.cursor - 1}" if self.cursor > self.start else ""
+        return f"{self.start}-{self.end - 1}" if self.end > self.start else ""
 
     def take(self, count: int) -> list[Maze]:
         return [next(self) for _ in range(count)]
@@ -129,12 +133,16 @@ class TrainingTickets:
         return self
 
     def __next__(self) -> Maze:
+        if self.repeat and self.served and self.served % self.repeat == 0:
+            self.cursor = self.start  # the same mazes again, in the same order
+        self.served += 1
         while True:
             if self.stop is not None and self.cursor >= self.stop:
                 raise ValueError(f"the maze stream from seed {self.start} reached seed {self.stop}, where another "
                                  "stream starts: raise env.rl_seed_start or lower sft.num_mazes")
             maze = generate(self.env_id, self.cursor)
             self.cursor += 1
+            self.end = max(self.end, self.cursor)
             if maze.content_hash() in self.excluded:
                 self.rejected += 1
                 continue
@@ -143,7 +151,8 @@ class TrainingTickets:
             return maze
 
     def state(self) -> dict:
-        return {"cursor": self.cursor, "rejected": self.rejected}
+        return {"cursor": self.cursor, "rejected": self.rejected, "served": self.served, "end": self.end}
 
     def load_state(self, state: dict) -> None:
         self.cursor, self.rejected = int(state["cursor"]), int(state["rejected"])
+        self.served, self.end = int(state.get("served", 0)), int(state.get("end", self.cursor))

@@ -15,7 +15,7 @@ import numpy as np
 
 from shared.maze.render import data_uri
 from shared.models.chat import limit_context
-from shared.models.engine import Completion
+from shared.models.engine import Completion, row_seeds
 
 
 def to_openai_messages(messages: list[dict]) -> list[dict]:
@@ -85,6 +85,7 @@ class OpenAIEngine:
         return Completion("", [], error=f"gave up after {self.retries + 1} tries: {error}")
 
     def generate(self, conversations, temperature=0.0, max_new_tokens=24, seed=None) -> list[Completion]:
-        futures = [self.pool.submit(self._one, c, temperature, max_new_tokens, None if seed is None else seed + i)
-                   for i, c in enumerate(conversations)]
+        """Returns one Completion per conversation; request i carries seed + i (or seed[i]; none when seed is None)."""
+        seeds = [None] * len(conversations) if seed is None else row_seeds(seed, len(conversations))
+        futures = [self.pool.submit(self._one, c, temperature, max_new_tokens, s) for c, s in zip(conversations, seeds)]
         return [f.result() for f in futures]

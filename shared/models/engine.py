@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import random
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -82,6 +84,34 @@ def attach_adapter(model, adapter_dir: str | Path, trainable: bool = False):
     return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
 
 
+class MergedCopy:
+    """A plain copy of a PEFT model's base for inference, whose LoRA-targeted weights hold base + the adapter's delta.
+
+    Its outputs are PEFT's unmerged LoRA's (to float rounding) at the base model's speed: PEFT computes each
+    adapted layer as two extra matmuls plus Python around every module, about 1.5x slower on the tiny model.
+    `refresh()` copies the adapter's current weights in (after an update or a load), `refresh(enabled=False)`
+    the base alone."""
+
+    def __init__(self, peft_model):
+        import copy
+
+        self.peft_model = peft_model
+        self.model = copy.deepcopy(peft_model).merge_and_unload()
+        self.model.eval()
+        modules = dict(self.model.named_modules())
+        self.layers = [(layer, modules[name.removeprefix("base_model.model.")])
+                       for name, layer in peft_model.named_modules() if hasattr(layer, "get_delta_weight")]
+
+    @torch.no_grad()
+    def refresh(self, enabled: bool = True) -> None:
+        for layer, target in self.layers:
+            weight = layer.base_layer.weight
+            if enabled:
+                weight = weight + sum(layer.get_delta_weight(name) for name in layer.active_adapters
+                                      if name in layer.lora_A)
+            target.weight.copy_(weight)
+
+
 @dataclass
 class Completion:
     """One generated reply: its text, its token ids (end-of-turn included) and their logprobs."""
@@ -94,9 +124,30 @@ class Completion:
 
 
 Decoder = Literal["shared", "transformers"]
+_FRESH_SEEDS = random.Random()  # seeds for unseeded rows (this module's own generator: torch's global one is left alone)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Returns probs [rows, vocab] with every token outside each row's top-p nucleus (the smallest set of most likely
+    tokens whose mass reaches top_p) set to 0; the most likely token always stays."""
+    ordered, order = probs.sort(dim=-1, descending=True)
+    outside = ordered.cumsum(dim=-1) - ordered >= top_p  # the mass before a token already reaches top_p
+    return probs.scatter(-1, order, ordered.masked_fill(outside, 0.0))
+
+
+def row_seeds(seed: int | Sequence[int | None] | None, count: int) -> list[int]:
+    """Returns one sampling seed per row of a batch: seed + i for an int, the given ones for a list (None: fresh)."""
+    if seed is None or isinstance(seed, int):
+        given = [None if seed is None else seed + i for i in range(count)]
+    else:
+        given = list(seed)
+        if len(given) != count:
+            raise ValueError(f"{len(given)} seeds for {count} conversations")
+    return [_FRESH_SEEDS.getrandbits(63) if s is None else int(s) % 2**63 for s in given]
 PIXEL_CACHE_IMAGES = 4096  # distinct pictures whose processor output is kept (a few KB each for the tiny model)
 PROMPT_CACHE_ENTRIES = 8192  # distinct prompts whose token ids are kept
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are prefilled with the rest
+MAX_BATCH_ROWS = 512  # conversations per forward pass; bigger batches are run in chunks (bounds the memory)
 
 
 class LocalEngine:
@@ -130,8 +181,7 @@ class LocalEngine:
                  max_turns_in_context=None):
         model, processor = load_model(model_dir, dtype, device)
         if adapter_dir:
-            model = attach_adapter(model, adapter_dir)
-            model.eval()
+            model = MergedCopy(attach_adapter(model, adapter_dir)).model  # the adapter folded in: the base's speed
         return cls(model, processor, max_images_in_context, name=str(model_dir),
                    adapter=str(adapter_dir) if adapter_dir else None, max_turns_in_context=max_turns_in_context)
 
@@ -149,20 +199,25 @@ class LocalEngine:
 
     def prompt(self, messages: list[dict]) -> tuple[str, list]:
         """Returns (prompt text, images) exactly as the model sees a conversation before it replies."""
-        messages = limit_context(messages, self.max_images, self.context_turns)
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return text, images_of(messages)
+        return chat_prompt(self.processor, messages, self.max_images, self.context_turns)
 
     def generate(self, conversations: list[list[dict]], temperature: float = 0.0, max_new_tokens: int = 24,
-                 seed: int | None = None) -> list[Completion]:
+                 seed: int | Sequence[int | None] | None = None, top_p: float = 1.0) -> list[Completion]:
         """Returns one Completion per conversation, generated as one batch (greedy when temperature is 0).
 
-        `seed` makes sampling reproducible for a given decoder."""
+        `seed` makes sampling reproducible: conversation i samples with its own generator, seeded with seed + i (or
+        seed[i] when a list is given; None: a fresh seed), so what a conversation samples does not depend on the
+        conversations beside it in the batch. `top_p` < 1 samples from the smallest set of tokens holding that mass."""
         if not conversations:
             return []
+        seeds = row_seeds(seed, len(conversations))
+        if len(conversations) > MAX_BATCH_ROWS:  # per-row seeds: a chunked batch samples what a whole one would
+            return [c for i in range(0, len(conversations), MAX_BATCH_ROWS)
+                    for c in self.generate(conversations[i : i + MAX_BATCH_ROWS], temperature, max_new_tokens,
+                                           seeds[i : i + MAX_BATCH_ROWS], top_p)]
         if self.decoder == "transformers":
-            return self._generate_transformers(conversations, temperature, max_new_tokens, seed)
-        return self._generate_shared(conversations, temperature, max_new_tokens, seed)
+            return self._generate_transformers(conversations, temperature, max_new_tokens, seeds, top_p)
+        return self._generate_shared(conversations, temperature, max_new_tokens, seeds, top_p)
 
     def _completion(self, ids: list[int], logprobs: list[float], prompt_ids: list[int]) -> Completion:
         """Returns the Completion for one row of generated ids (cut after its first stop token)."""
@@ -321,7 +376,7 @@ class LocalEngine:
         return out.logits[:, -1].float(), cache, positions[:, :, -1] + 1, attention
 
     @torch.inference_mode()
-    def _generate_shared(self, conversations, temperature, max_new_tokens, seed) -> list[Completion]:
+    def _generate_shared(self, conversations, temperature, max_new_tokens, seed, top_p=1.0) -> list[Completion]:
         """Decodes distinct states only: episodes with the same context and the same reply so far are one state
         (one cache row, one forward); each episode still samples its own next token from its state's logits."""
         prompts = [self.prompt(messages) for messages in conversations]
@@ -335,10 +390,7 @@ class LocalEngine:
         logits, cache, next_position, attention = self._prefill(distinct)  # one row per state
         device = self.model.device
         state = torch.tensor(state, device=device)  # each episode's state
-        generator = None
-        if temperature > 0:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed if seed is not None else torch.seed())
+        generators = [torch.Generator(device=device).manual_seed(row) for row in seed] if temperature > 0 else []
         stop = torch.tensor(self.stop_ids, device=device)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
         tokens, logprobs = [], []
@@ -348,8 +400,11 @@ class LocalEngine:
             scores = mine.clone()
             if self.suppress_ids:
                 scores[:, self.suppress_ids] = -float("inf")
-            if temperature > 0:
-                chosen = torch.multinomial(torch.softmax(scores / temperature, dim=-1), 1, generator=generator).squeeze(1)
+            if temperature > 0:  # each episode draws from its own generator: its tokens depend on its seed alone
+                probs = torch.softmax(scores / temperature, dim=-1)
+                if top_p < 1.0:
+                    probs = nucleus(probs, top_p)
+                chosen = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
             else:
                 chosen = scores.argmax(dim=-1)
             chosen = torch.where(finished, torch.full_like(chosen, self.pad_id), chosen)
@@ -376,10 +431,60 @@ class LocalEngine:
         lps = torch.stack(logprobs, dim=1).tolist()
         return [self._completion(row, row_lp, self._prompt_ids(*prompt)) for row, row_lp, prompt in zip(ids, lps, prompts)]
 
+    @torch.inference_mode()
+    def score_replies(self, conversations: list[list[dict]], candidates: list[list[str]]) -> list[list[float]]:
+        """Returns, per conversation, the log-probability (temperature 1) of each of its candidate replies, end of
+        turn included: the model's teacher-forced score of each answer it could give, e.g. each maze action.
+
+        Each distinct context is prefilled once; its candidates are then decoded side by side, one row each."""
+        tokenizer = self.processor.tokenizer
+        end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+        if not conversations:
+            return []
+        count = len(candidates[0])
+        if any(len(c) != count for c in candidates) or len(candidates) != len(conversations):
+            raise ValueError("score_replies needs the same number of candidates for every conversation")
+        step = max(1, MAX_BATCH_ROWS // count)
+        if len(conversations) > step:
+            return [row for i in range(0, len(conversations), step)
+                    for row in self.score_replies(conversations[i : i + step], candidates[i : i + step])]
+        prompts = [self.prompt(messages) for messages in conversations]
+        keys, distinct, state, replies = {}, [], [], []
+        for (text, images), options in zip(prompts, candidates):
+            pictures = tuple(self._picture_key(img) for img in images)
+            if (text, pictures, tuple(options)) not in keys:
+                keys[(text, pictures, tuple(options))] = len(distinct)
+                distinct.append((text, images, pictures))
+                replies.append([tokenizer(r, add_special_tokens=False)["input_ids"] + [end] for r in options])
+            state.append(keys[(text, pictures, tuple(options))])
+        logits, cache, next_position, attention = self._prefill(distinct)
+        device = self.model.device
+        rows = [ids for options in replies for ids in options]  # state s, candidate c -> row s * count + c
+        parents = torch.arange(len(distinct), device=device).repeat_interleave(count)
+        cache.reorder_cache(parents)
+        attention, next_position, current = attention[parents], next_position[:, parents], logits[parents]
+        width = max(len(ids) for ids in rows)
+        tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=device)
+        valid = torch.zeros((len(rows), width), device=device)
+        for i, ids in enumerate(rows):
+            tokens[i, : len(ids)] = torch.tensor(ids, device=device)
+            valid[i, : len(ids)] = 1
+        total = torch.zeros(len(rows), device=device)
+        for j in range(width):
+            total += torch.log_softmax(current, dim=-1).gather(1, tokens[:, j : j + 1]).squeeze(1) * valid[:, j]
+            if j == width - 1:
+                break
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            out = self.model(input_ids=tokens[:, j : j + 1], attention_mask=attention,
+                             position_ids=(next_position + j)[:, :, None], past_key_values=cache, use_cache=True)
+            current = out.logits[:, -1].float()
+        scores = total.view(len(distinct), count).tolist()
+        return [scores[s] for s in state]
+
     # ---- the reference decoder: transformers' generate on the whole batch ---------------------------
 
     @torch.no_grad()
-    def _generate_transformers(self, conversations, temperature, max_new_tokens, seed) -> list[Completion]:
+    def _generate_transformers(self, conversations, temperature, max_new_tokens, seed, top_p=1.0) -> list[Completion]:
         texts, images = [], []
         for messages in conversations:
             text, imgs = self.prompt(messages)
@@ -387,13 +492,15 @@ class LocalEngine:
             images.extend(imgs)
         inputs = self.processor(text=texts, images=images or None, return_tensors="pt", padding=True)
         inputs = inputs.to(self.model.device)
-        if seed is not None:
-            torch.manual_seed(seed)
-        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-        out = self.model.generate(
-            **inputs, max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-            suppress_tokens=self.suppress_ids, return_dict_in_generate=True, output_logits=True, **sampling,
-        )
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+        # model.generate samples the whole batch from torch's global generator: seeded with the first row's seed,
+        # inside a fork so the process's own random state is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed[0])
+            out = self.model.generate(
+                **inputs, max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+                suppress_tokens=self.suppress_ids, return_dict_in_generate=True, output_logits=True, **sampling,
+            )
         new_tokens = out.sequences[:, inputs["input_ids"].shape[1]:]
         scale = temperature if temperature > 0 else 1.0
         logprobs = torch.stack([torch.log_softmax(step.float() / scale, dim=-1) for step in out.logits], dim=1)
@@ -465,6 +572,25 @@ def encode_conversation(processor, messages: list[dict], max_images: int, max_tu
     images = images_of(messages)
     ids = text_ids(processor, text, images)
     return TrainingSample(input_ids=ids, response_mask=assistant_mask(processor, ids), images=images)
+
+
+def chat_prompt(processor, messages: list[dict], max_images: int, max_turns: int | None = None) -> tuple[str, list]:
+    """Returns (prompt text, images) as a model sees a conversation before it replies: the context policy
+    (`limit_context`) applied, then the chat template with the generation prompt. Every engine and the SFT use it."""
+    messages = limit_context(messages, max_images, max_turns)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, images_of(messages)
+
+
+def reply_sample(processor, context: list[dict], reply: str, max_images: int, max_turns: int | None = None) -> TrainingSample:
+    """Returns one supervised turn (SFT): the context exactly as an engine builds it before replying, then `reply`
+    and its end of turn, with the loss on those tokens only (the layout of an RL sample)."""
+    text, images = chat_prompt(processor, context, max_images, max_turns)
+    prompt_ids = text_ids(processor, text, images)
+    tokenizer = processor.tokenizer
+    response = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids(END_OF_TURN)]
+    return TrainingSample(input_ids=prompt_ids + response, response_mask=[0] * len(prompt_ids) + [1] * len(response),
+                          images=images)
 
 
 def encode_turn(engine: LocalEngine, messages: list[dict], completion: Completion) -> TrainingSample:

@@ -9,11 +9,10 @@ Same seed, same weights.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from shared.config import RunConfig, add_config_arguments, config_from_args
+from shared.config import RunConfig, command_line, config_from_args
 from shared.models.chat import QWEN3VL_CHAT_TEMPLATE
 from shared.storage.files import staged_dir
 from shared.storage.manifest import is_complete
@@ -276,9 +275,7 @@ def ensure_tiny_model(cfg: RunConfig, force: bool = False, log=print) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shared.models.tiny", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_arguments(parser)
+    parser = command_line("python -m shared.models.tiny", __doc__)
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete model exists")
     args = parser.parse_args(argv)
     ensure_tiny_model(config_from_args(args), force=args.force)

@@ -10,13 +10,14 @@ new step: vLLM caches adapters by integer id, so each step gets a fresh id.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from shared.config import REPO_ROOT
-from shared.models.chat import END_OF_TURN, images_of, limit_context
-from shared.models.engine import Completion
+from shared.models.chat import END_OF_TURN
+from shared.models.engine import Completion, chat_prompt, row_seeds
 
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -29,20 +30,33 @@ class VllmGenerator:
         from vllm import LLM
 
         kwargs = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {}
+        # No chunked prefill: a prompt split over two engine steps has its first step's sampled token discarded,
+        # and vLLM then rewinds that request's generator by an offset, which a CPU generator does not have
+        # ("CPU Generator does not use offset"): every seeded request would fail. Whole prompts only, then.
         self.llm = LLM(model=model_dir, dtype=dtype, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
                        max_model_len=max_model_len, limit_mm_per_prompt={"image": max_images}, seed=seed,
-                       logprobs_mode="processed_logprobs", **kwargs)
+                       logprobs_mode="processed_logprobs", enable_chunked_prefill=False,
+                       max_num_batched_tokens=max(max_model_len, 8192), **kwargs)
+
+    def log_path(self) -> str:
+        """Returns this actor's Ray worker log (where vLLM's own errors are written)."""
+        from shared.local_ray import worker_log
+
+        return worker_log()
 
     def generate(self, prompts: list[tuple[str, list[np.ndarray]]], temperature: float, max_new_tokens: int,
-                 seed: int | None, stop_ids: list[int], banned_ids: list[int], adapter: tuple[str, int, str] | None):
-        """Returns (text, token ids, logprobs) per prompt; logprobs of the sampled tokens at this temperature."""
+                 seeds: list[int], stop_ids: list[int], banned_ids: list[int], adapter: tuple[str, int, str] | None):
+        """Returns (text, token ids, logprobs) per prompt; logprobs of the sampled tokens at this temperature.
+
+        Each prompt samples with its own seed (one SamplingParams per request)."""
         from PIL import Image
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 
-        params = SamplingParams(temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else -1,
-                                max_tokens=max_new_tokens, stop_token_ids=stop_ids, seed=seed, logprobs=0,
-                                logit_bias={i: -100.0 for i in banned_ids} or None, skip_special_tokens=True)
+        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else -1,
+                                 max_tokens=max_new_tokens, stop_token_ids=stop_ids, seed=seed, logprobs=0,
+                                 logit_bias={i: -100.0 for i in banned_ids} or None, skip_special_tokens=True)
+                  for seed in seeds]
         requests = [{"prompt": text, "multi_modal_data": {"image": [Image.fromarray(a) for a in images]}} if images
                     else {"prompt": text} for text, images in prompts]
         lora = LoRARequest(*adapter) if adapter else None
@@ -81,6 +95,7 @@ class VllmEngine:
         actor = ray.remote(VllmGenerator).options(num_cpus=num_cpus, runtime_env=runtime_env)
         self.actor = actor.remote(str(model_dir), cfg.model.dtype, max(cfg.lora.rank, server.max_lora_rank),
                                   server.kv_cache_bytes, server.max_model_len, max(1, self.max_images), cfg.seed)
+        self.log_path = ray.get(self.actor.log_path.remote())
 
     def load_adapter(self, adapter_dir: str | Path | None, step: int) -> None:
         """Serves the adapter in adapter_dir from now on (re-read from disk: a new id per step)."""
@@ -89,12 +104,11 @@ class VllmEngine:
 
     def prompt(self, messages: list[dict]) -> tuple[str, list]:
         """Returns (prompt text, images) exactly as LocalEngine builds them."""
-        messages = limit_context(messages, self.max_images, self.context_turns)
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return text, images_of(messages)
+        return chat_prompt(self.processor, messages, self.max_images, self.context_turns)
 
     def generate(self, conversations: list[list[dict]], temperature: float = 0.0, max_new_tokens: int = 24,
-                 seed: int | None = None) -> list[Completion]:
+                 seed: int | Sequence[int | None] | None = None) -> list[Completion]:
+        """Returns one Completion per conversation; conversation i samples with seed + i (or seed[i]), as LocalEngine."""
         import ray
 
         if not conversations:
@@ -103,6 +117,7 @@ class VllmEngine:
         for messages in conversations:
             text, images = self.prompt(messages)
             prompts.append((text, [np.asarray(image.convert("RGB")) for image in images]))
-        results = ray.get(self.actor.generate.remote(prompts, temperature, max_new_tokens, seed, self.stop_ids,
+        seeds = row_seeds(seed, len(prompts))
+        results = ray.get(self.actor.generate.remote(prompts, temperature, max_new_tokens, seeds, self.stop_ids,
                                                      self.suppress_ids, self._adapter_request))
         return [Completion(text=text.rstrip("\ufffd"), token_ids=ids, logprobs=logprobs) for text, ids, logprobs in results]

@@ -63,20 +63,22 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def staged_dir(final: str | Path) -> Iterator[Path]:
     """Yields a temporary sibling folder; on success writes its manifest and renames it to `final`.
 
-    A crash leaves only a `.tmp-*` folder, which no reader trusts and the next run removes.
+    A crash leaves only a `.tmp-<name>@<random>` folder, which no reader trusts and the next staging of the same
+    name removes; never another name's (`.tmp-model@*` is not `.tmp-model-sft@*`: no run, model or adapter id
+    holds an '@').
     """
     from shared.storage.manifest import write_manifest
 
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".tmp-{final.name}-*"):
+    for stale in final.parent.glob(f".tmp-{final.name}@*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}@", dir=final.parent))
     try:
         yield tmp
         write_manifest(tmp)
         if final.exists():
-            trash = final.with_name(f".tmp-{final.name}-old-{os.getpid()}")
+            trash = final.with_name(f".tmp-{final.name}@old-{os.getpid()}")
             os.replace(final, trash)
             os.replace(tmp, final)
             shutil.rmtree(trash, ignore_errors=True)

@@ -85,3 +85,12 @@ def is_complete(folder: str | Path) -> bool:
         return True
     except ManifestError:
         return False
+
+
+def model_identity(model_dir: Path) -> str | None:
+    """Returns a digest naming a model: its weights' (model.safetensors), else its manifest's (which lists every
+    file's sha256); None for a folder with neither."""
+    for name in ("model.safetensors", MANIFEST):
+        if (Path(model_dir) / name).is_file():
+            return sha256_file(Path(model_dir) / name)[:16]
+    return None

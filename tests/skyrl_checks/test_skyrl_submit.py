@@ -60,8 +60,8 @@ def test_submit_reaches_skyrls_initialize_ray_with_and_without_hf_hub_offline(ra
     if hf_hub_offline:
         env["HF_HUB_OFFLINE"] = hf_hub_offline
     proc = subprocess.run([str(MAIN_PY), "-m", "services.trainer", "submit", "--config", "configs/qwen3vl-8b-hyperpod.yaml",
-                           "--preflight", "--timeout", "600"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=700)
+                           "--preflight", "--timeout", "600", "--forward-env", "SHARED_DIR", "--record-dir",
+                           str(tmp_path / "records")], cwd=REPO, env=env, capture_output=True, text=True, timeout=700)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     report = json.loads(next(line for line in out.splitlines() if line.startswith("preflight ok: "))[len("preflight ok: "):])
@@ -70,6 +70,6 @@ def test_submit_reaches_skyrls_initialize_ray_with_and_without_hf_hub_offline(ra
     # by SkyRL from the driver to the worker.
     assert report["HF_HUB_OFFLINE"] == "1"
     assert report["task_node_gpus"] == 2, "a 1-CPU task (like SkyRL's trainer loop) runs on the worker, not the head"
-    job = json.loads((tmp_path / "runs" / "qwen3vl-8b-maze-grpo" / "job.json").read_text())
+    job = json.loads((tmp_path / "records" / "qwen3vl-8b-maze-grpo.json").read_text())
     assert job["status"] == "SUCCEEDED"
     assert job["entrypoint"].startswith("env HF_HUB_OFFLINE=1 python -m services.trainer"), "on the command line"

@@ -1,0 +1,135 @@
+"""The end of a local run: warm start against final policy on each eval set, printed, plotted and as a page.
+
+`compare_evals` / `compare_sampled` pair the two policies maze by maze (shared/evaluation.py has the statistics);
+`run_summary` is the block the trainer prints; `write_run_report` writes `solve_rate_vs_step.png` and `report.html`
+(the held-out curve, the extended set's greedy and sampled scores, and the success on the training mazes per step).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+from shared.evaluation import (
+    paired_comparison,
+    paired_mean_difference,
+    plot_solve_rate,
+    solved_by_seed,
+    success_by_maze,
+    wilson_interval,
+)
+from shared.storage.files import atomic_write_text
+
+
+def _end(folder: Path, solved: int, total: int) -> dict:
+    summary = json.loads((folder / "summary.json").read_text())
+    low, high = wilson_interval(solved, total)
+    return {"step": summary.get("step"), "solved": solved, "total": total, "ci_low": low, "ci_high": high,
+            "oracle_solved": summary["oracle_solved"], "errors": summary.get("errors", 0), "folder": str(folder),
+            "pass_at_1": summary.get("pass_at_1")}
+
+
+def compare_evals(before_dir: Path, after_dir: Path) -> dict:
+    """Returns warm start vs final on one greedy eval set: counts, 95% intervals, the paired test, the ceiling."""
+    before, after = solved_by_seed(before_dir), solved_by_seed(after_dir)
+    return {"before": _end(before_dir, sum(before.values()), len(before)),
+            "after": _end(after_dir, sum(after.values()), len(after)), "paired": paired_comparison(before, after)}
+
+
+def compare_sampled(before_dir: Path, after_dir: Path) -> dict[str, dict]:
+    """Returns {row name: comparison} for a sampled eval set: mean@k (per-maze success share, paired over mazes)
+    and pass@k (a maze counts when any of its k samples solved it, McNemar as for greedy)."""
+    before, after = success_by_maze(before_dir), success_by_maze(after_dir)
+    summary = json.loads((after_dir / "summary.json").read_text())
+    k, mazes, temperature = summary["samples_per_maze"], summary["mazes"], summary["temperature"]
+    episodes = mazes * k
+    mean = {"before": _end(before_dir, sum(map(sum, before.values())), episodes),
+            "after": _end(after_dir, sum(map(sum, after.values())), episodes),
+            "paired": paired_mean_difference({s: sum(v) / k for s, v in before.items()},
+                                             {s: sum(v) / k for s, v in after.items()})}
+    hit_before, hit_after = ({s: any(v) for s, v in side.items()} for side in (before, after))
+    passed = {"before": _end(before_dir, sum(hit_before.values()), mazes),
+              "after": _end(after_dir, sum(hit_after.values()), mazes),
+              "paired": paired_comparison(hit_before, hit_after)}
+    for end in (passed["before"], passed["after"]):
+        end["oracle_solved"] //= k  # mazes, not episodes
+        end["pass_at_1"] = None  # an episode-level share: it belongs to the mean@k row
+    return {f"extended {mazes} mean@{k} T={temperature:g}": mean, f"extended {mazes} pass@{k}": passed}
+
+
+def _rate(end: dict) -> str:
+    return (f"{end['solved']}/{end['total']} {100 * end['solved'] / end['total']:.1f}% "
+            f"[{100 * end['ci_low']:.1f}-{100 * end['ci_high']:.1f}]")
+
+
+def summary_rows(result: dict) -> list[list[str]]:
+    """Returns the summary table: a header, then one row per comparison (warm start, final, change, ceiling)."""
+    table = [["", "warm start (95% CI)", "final (95% CI)", "change (paired 95% CI, p)", "ceiling"]]
+    for name, c in result["comparisons"].items():
+        p = c["paired"]
+        table.append([name, _rate(c["before"]), _rate(c["after"]),
+                      f"{100 * p['difference']:+.1f} pts [{100 * p['ci_low']:+.1f}, {100 * p['ci_high']:+.1f}] "
+                      f"p={p['p_value']:.2g}", f"{c['after']['oracle_solved']}/{c['after']['total']}"])
+    return table
+
+
+def run_summary(result: dict) -> str:
+    """Returns the end-of-run block: warm start vs final per eval set, the ceiling, the curve, the wall time."""
+    table = summary_rows(result)
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = [f"== {result['run_id']}: {result['steps']} GRPO steps, {result['wall_s'] / 60:.1f} min wall =="]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table]
+    curve = " -> ".join(f"{s}: {100 * r:.1f}%" for s, r in result["curve"].items())
+    lines.append(f"held-out curve (step: solve rate): {curve}")
+    for c in result["comparisons"].values():
+        for end in (c["before"], c["after"]):
+            if end["errors"]:
+                lines.append(f"WARNING: {end['errors']} mazes could not be scored in {end['folder']} (counted as "
+                             "failed; see its episodes.jsonl): delete the folder and run again to re-score")
+    passes = [f"{name}: {100 * c['before']['pass_at_1']:.1f}% -> {100 * c['after']['pass_at_1']:.1f}%"
+              for name, c in result["comparisons"].items() if c["before"].get("pass_at_1") is not None]
+    if passes:
+        lines.append(f"SkyRL's pass_at_1 (reward above 0 under env.reward={result.get('reward')!r}; the metric AWS's "
+                     f"28 -> 62 of 64 was most likely read from, not bounded by the ceiling): " + "; ".join(passes))
+    lines.append(f"data: sft seeds {result['sft_seeds'] or 'n/a'}, rl seeds {result['rl_seeds'] or 'n/a'}")
+    machine = result.get("machine") or {}
+    if machine:
+        lines.append(f"machine: {machine['cpu']} ({machine['cpu_capability']}), {machine['threads']} threads, "
+                     f"torch {machine['torch']}")
+    return "\n".join(dict.fromkeys(lines))  # an eval folder shared by two rows warns once
+
+
+def write_run_report(run_dir: Path, result: dict, metrics: list[dict], history: dict[int, dict]) -> None:
+    """Writes the run's solve_rate_vs_step.png and report.html (an offline page: the table, the curves)."""
+    steps = sorted(history)
+    series = []
+    for name, c in result["comparisons"].items():
+        if name.startswith("extended") and "pass@" not in name:
+            series.append({"label": name, "ceiling": c["after"]["oracle_solved"] / c["after"]["total"],
+                           "points": [(e["step"], e["solved"], e["total"], e["ci_low"], e["ci_high"])
+                                      for e in (c["before"], c["after"])]})
+    training = None
+    if metrics:
+        training = {"label": "training mazes: success per step", "steps": [m["step"] for m in metrics],
+                    "rates": [m["train/solve_rate"] for m in metrics]}
+    png = run_dir / "solve_rate_vs_step.png"
+    plot_solve_rate(png, steps, [history[s]["solve_rate"] for s in steps],
+                    history[steps[0]]["oracle_solved"] / history[steps[0]]["total"], result["run_id"], series, training)
+    rows = summary_rows(result)
+    table = "".join("<tr>" + "".join(f"<t{'h' if i == 0 else 'd'}>{html.escape(cell)}</t{'h' if i == 0 else 'd'}>"
+                                     for cell in row) + "</tr>" for i, row in enumerate(rows))
+    picture = base64.b64encode(png.read_bytes()).decode()
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(result['run_id'])}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
+padding:4px 8px;text-align:left}}</style></head><body>
+<h1>{html.escape(result['run_id'])}: {result['steps']} GRPO steps</h1>
+<p>Warm start (the adapter switched off) against the final policy, maze by maze; changes with their paired 95%
+interval. Wall time {result['wall_s'] / 60:.1f} min; settings {html.escape(result.get('settings_hash') or '')}.</p>
+<table>{table}</table>
+<p><img alt="held-out solve rate per step and success on the training mazes" src="data:image/png;base64,{picture}"></p>
+<p>Machine: {html.escape(json.dumps(result.get('machine') or {}))}</p>
+</body></html>
+"""
+    atomic_write_text(run_dir / "report.html", page)

@@ -1,0 +1,98 @@
+"""What a policy would do at each turn, and what changes when one decision is changed.
+
+`action_scores` asks an engine for its teacher-forced log-probability of each of the five maze actions (four
+moves and stop, written as the task's replies) at given turns. `branch` replays an episode's first turns and
+forces a different reply at the next one; playing the branch on greedily answers "does changing this one decision
+make greedy play succeed". The evaluator's `diagnose` measures with these, and the trainer's greedy-anchored
+rollouts (`rollout.strategy=greedy_branch`) learn from them.
+"""
+
+from __future__ import annotations
+
+from shared.episodes import Episode, EpisodeSettings, start_episodes
+from shared.maze.actions import Action
+from shared.maze.core import MOVES, Maze
+from shared.maze.prompt import solver_reply
+
+ACTIONS: list[Action] = [("move", d) for d in range(4)] + [("stop", "stop")]
+REVERSE = {0: 2, 1: 3, 2: 0, 3: 1}  # the move that undoes each move
+
+
+def action_replies(view: Maze, settings: EpisodeSettings) -> list[str]:
+    """Returns the reply that plays each of ACTIONS at `view`, in the episode's reply format."""
+    return [solver_reply(view, action, settings.response_format, settings.action_style) for action in ACTIONS]
+
+
+def turn_views(episode: Episode) -> list[Maze]:
+    """Returns the maze as seen before each turn the episode played (the agent where it stood then)."""
+    maze = episode.maze
+    return [Maze(maze.maze_map, tuple(p), maze.target, maze.env_id, maze.seed) for p in episode.episode.trace[:len(episode.turns)]]
+
+
+def action_scores(engine, contexts: list[list[dict]], views: list[Maze], settings: EpisodeSettings) -> list[list[float]]:
+    """Returns, per context (the messages before a turn), the engine's log-probability of each of ACTIONS."""
+    return engine.score_replies(contexts, [action_replies(view, settings) for view in views])
+
+
+def branch(episode: Episode, turn: int, reply: str, settings: EpisodeSettings) -> Episode:
+    """Returns a fresh episode of the same maze that replays `episode`'s replies before `turn`, then plays `reply`
+    at `turn` (and is live after it unless that ended it)."""
+    from shared.models.engine import Completion
+
+    fresh = start_episodes([episode.maze], settings)[0]
+    for played in episode.turns[:turn]:
+        fresh.take(Completion(played["text"], []))
+    fresh.take(Completion(reply, []), keep_samples=True)
+    return fresh
+
+
+def open_moves(maze: Maze, position: tuple[int, int]) -> list[int]:
+    """Returns the move directions that do not run into a wall at `position`."""
+    return [d for d, (dr, dc) in MOVES.items() if maze.maze_map[position[0] + dr, position[1] + dc] == 0]
+
+
+def is_junction(maze: Maze, position: tuple[int, int], previous: tuple[int, int] | None) -> bool:
+    """Returns True where the agent has a real choice: two or more open moves besides going back to `previous`
+    (the cell it came from; None, or its own cell after a wasted turn, when there is none)."""
+    back = None
+    if previous is not None and tuple(previous) != tuple(position):
+        back = next(d for d, (dr, dc) in MOVES.items() if (position[0] + dr, position[1] + dc) == tuple(previous))
+    return len([d for d in open_moves(maze, position) if d != back]) >= 2
+
+
+def solver_decisions(engine, mazes: list[Maze], settings: EpisodeSettings) -> list[dict]:
+    """Returns the policy's teacher-forced view of every decision on the solver's path of each maze, in the context
+    a rollout builds: {"maze", "turn", "junction" (a real choice there), "truth" (the solver's action, an index
+    into ACTIONS), "scores" (the policy's log-probability of each action)}."""
+    from shared.episodes import solver_episode
+
+    rows, contexts, views = [], [], []
+    for index, maze in enumerate(mazes):
+        solver = solver_episode(maze, settings)
+        trace = solver.episode.trace
+        for turn, (messages, _) in enumerate(solver.samples):
+            contexts.append(messages)
+            views.append(turn_views(solver)[turn])
+            rows.append({"maze": index, "turn": turn, "truth": ACTIONS.index(tuple(solver.turns[turn]["action"])),
+                         "junction": is_junction(maze, tuple(trace[turn]), tuple(trace[turn - 1]) if turn else None)})
+    for row, scores in zip(rows, action_scores(engine, contexts, views, settings)):
+        row["scores"] = scores
+    return rows
+
+
+def junction_accuracy(decisions: list[dict]) -> dict:
+    """Returns how often the policy's most likely action is the solver's at junctions (and at every turn), and the
+    mean log-probability it gives the solver's action at junctions (normalised over the five actions)."""
+    import math
+
+    def best(row):
+        return max(range(len(ACTIONS)), key=lambda i: row["scores"][i])
+
+    def logp(row):
+        top = max(row["scores"])
+        return row["scores"][row["truth"]] - top - math.log(sum(math.exp(v - top) for v in row["scores"]))
+
+    at = [row for row in decisions if row["junction"]]
+    return {"decisions": len(at), "accuracy": sum(best(r) == r["truth"] for r in at) / max(len(at), 1),
+            "mean_logprob": sum(logp(r) for r in at) / max(len(at), 1), "all_turns": len(decisions),
+            "all_turns_accuracy": sum(best(r) == r["truth"] for r in decisions) / max(len(decisions), 1)}
