@@ -66,6 +66,10 @@ REQUIRE_ALL := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && e
 lint: setup ## Ruff over the code
 	$(PY) -m ruff check shared services tests bench docker envs
 
+test-fast: setup ## The quick loop: lint, then the unit tests that start no engine, service or container (a few minutes)
+	$(PY) -m ruff check shared services tests bench docker envs
+	$(PY) -m pytest -m "not slow" -q $(ARGS)
+
 test: setup skyrl-env vllm-env system-deps ## Lint, then the test suite, then SkyRL's code against ours (installs what it needs first)
 	$(PY) -m ruff check shared services tests bench docker envs
 	MAZE_GRPO_REQUIRE_ALL_TESTS=$(REQUIRE_ALL) bash docker/with-engine.sh $(PY) -m pytest --durations=15 $(ARGS)
@@ -148,4 +152,4 @@ clean: ## Remove caches and build outputs (keeps .venv and .shared)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
 
-.PHONY: help setup skyrl-env vllm-env serve-vllm system-deps lint test tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor base-image images up down bench clean
+.PHONY: help setup skyrl-env vllm-env serve-vllm system-deps lint test test-fast tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor base-image images up down bench clean

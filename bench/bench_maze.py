@@ -3,7 +3,7 @@
 import statistics
 import time
 
-from shared.maze import MazeEpisode, generate, solve
+from shared.maze import MazeState, generate, solve
 from shared.maze.render import png_bytes, render_rgb
 
 
@@ -26,7 +26,7 @@ def _steps(count):
     moves = solve(maze)
     done = 0
     while done < count:
-        episode = MazeEpisode(maze, max_turns=10_000)
+        episode = MazeState(maze, max_turns=10_000)
         for d in moves:
             episode.step(("move", d))
             png_bytes(render_rgb(episode.view(), 32))

@@ -13,8 +13,8 @@ import time
 from services.trainer.rollout import play_rollouts
 from shared.config import load_config
 from shared.episodes import EpisodeSettings, run_episodes
-from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
-from shared.models.engine import LocalEngine
+from shared.maze.dataset import EvalSet, MazeStream, excluded_from_training
+from shared.models.inference import LocalEngine
 from shared.models.tiny import ensure_tiny_model
 from shared.storage.manifest import is_complete
 from shared.storage.volume import SharedVolume
@@ -37,10 +37,10 @@ def engines_for_bench():
 def run():
     cfg, engines, name = engines_for_bench()
     n = cfg.rollout.n_samples_per_prompt
-    tickets = TrainingTickets.for_rl(cfg.env, excluded_from_training(cfg.env))
+    stream = MazeStream.for_rl(cfg.env, excluded_from_training(cfg.env))
     rates = {d: [] for d in DECODERS}
     for repeat in range(REPEATS):
-        mazes = [(m.env_id, m.seed) for m in tickets.take(cfg.rollout.train_batch_size)]  # a fresh step each repeat
+        mazes = [(m.env_id, m.seed) for m in stream.take(cfg.rollout.train_batch_size)]  # a fresh step each repeat
         for decoder in DECODERS:  # interleaved so machine noise hits both alike
             started = time.perf_counter()
             groups = play_rollouts(engines[decoder], cfg, mazes, n, seed=repeat)

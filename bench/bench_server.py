@@ -27,7 +27,7 @@ VLLM_PY = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 def _adapter_run(cfg, model_dir, shared: Path) -> str:
     """Writes two LoRA exports of the tiny model (as the trainer lays them out); returns the run id."""
-    from services.trainer.grpo import save_adapter
+    from services.trainer.checkpoints import save_adapter
     from services.trainer.rollout import build_policy
     from shared.storage.files import staged_dir
     from shared.storage.volume import SharedVolume

@@ -11,7 +11,7 @@ from pathlib import Path
 from shared.config import load_config
 from shared.episodes import EpisodeSettings, run_episodes
 from shared.maze.dataset import EvalSet
-from shared.models.engine import LocalEngine
+from shared.models.inference import LocalEngine
 from shared.models.tiny import ensure_tiny_model
 from shared.models.vllm_engine import VLLM_PYTHON
 

@@ -26,7 +26,7 @@ def action_replies(view: Maze, settings: EpisodeSettings) -> list[str]:
 def turn_views(episode: Episode) -> list[Maze]:
     """Returns the maze as seen before each turn the episode played (the agent where it stood then)."""
     maze = episode.maze
-    return [Maze(maze.maze_map, tuple(p), maze.target, maze.env_id, maze.seed) for p in episode.episode.trace[:len(episode.turns)]]
+    return [Maze(maze.maze_map, tuple(p), maze.target, maze.env_id, maze.seed) for p in episode.trace[:len(episode.turns)]]
 
 
 def action_scores(engine, contexts: list[list[dict]], views: list[Maze], settings: EpisodeSettings) -> list[list[float]]:
@@ -37,7 +37,7 @@ def action_scores(engine, contexts: list[list[dict]], views: list[Maze], setting
 def branch(episode: Episode, turn: int, reply: str, settings: EpisodeSettings) -> Episode:
     """Returns a fresh episode of the same maze that replays `episode`'s replies before `turn`, then plays `reply`
     at `turn` (and is live after it unless that ended it)."""
-    from shared.models.engine import Completion
+    from shared.models.inference import Completion
 
     fresh = start_episodes([episode.maze], settings)[0]
     for played in episode.turns[:turn]:
@@ -69,7 +69,7 @@ def solver_decisions(engine, mazes: list[Maze], settings: EpisodeSettings) -> li
     rows, contexts, views = [], [], []
     for index, maze in enumerate(mazes):
         solver = solver_episode(maze, settings)
-        trace = solver.episode.trace
+        trace = solver.trace
         for turn, (messages, _) in enumerate(solver.samples):
             contexts.append(messages)
             views.append(turn_views(solver)[turn])

@@ -129,6 +129,9 @@ class RolloutConfig(Section):
                                    "other action has at least this probability")
     branch_step_back: bool = Field(True, description="greedy_branch: also undo each move that left a junction, on the "
                                    "next turn (a step back out of a side branch)")
+    vllm_kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1 << 20, description="engine=vllm: the KV cache of each "
+                                     "rollout engine (vLLM's CPU engine otherwise reserves 92% of RAM)")
+    vllm_max_model_len: int = Field(4096, ge=256, description="engine=vllm: context length (prompt + reply tokens)")
     max_error_fraction: float = Field(
         0.0, ge=0, le=1, description="share of a step's episodes the engine may fail (they are never trained on) "
         "before the run stops; 0: any failure stops it")

@@ -1,13 +1,14 @@
 """The one episode runner: plays many mazes at once against any engine, turn by turn.
 
 Every evaluation (SFT warm-start, trainer, evaluator service, server client) and every GRPO rollout
-goes through `run_episodes`. Each turn, all live episodes are sent to the engine as one batch.
-An engine is anything with `generate(conversations, temperature, max_new_tokens, seed) -> [Completion]`.
+goes through `run_episodes` / `play_episodes`. Each turn, all live episodes are sent to the engine as one batch;
+the engine is anything that keeps `shared.models.inference.Engine`'s contract. See docs/trainer.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
@@ -16,6 +17,9 @@ from shared.maze.core import Maze, first_mistake, optimal_action_count
 from shared.maze.prompt import PromptStyle
 from shared.maze.session import MazeSession
 from shared.models.chat import assistant_turn, user_turn
+
+if TYPE_CHECKING:
+    from shared.models.inference import Engine
 
 _ENV, _ROLLOUT = EnvConfig(), RolloutConfig()
 
@@ -70,9 +74,14 @@ class Episode:
         return self.session.maze
 
     @property
-    def episode(self):
-        """The maze state (position, trace, turns used)."""
-        return self.session.episode
+    def trace(self) -> list[tuple[int, int]]:
+        """Where the agent stood: at the start, then after each turn."""
+        return self.session.state.trace
+
+    def fail(self, error: str) -> None:
+        """Ends the episode unplayed from here: the engine could not answer it (scored failed, the reason kept)."""
+        self.error = error
+        self.session.state.done = True
 
     @property
     def solved(self) -> bool:
@@ -110,7 +119,7 @@ class Episode:
             "parse_failures": self.parse_failures,
             "error": self.error,
             "first_mistake": first_mistake(self.maze, [turn["action"] for turn in self.turns]),
-            "trace": [list(p) for p in self.episode.trace],
+            "trace": [list(p) for p in self.trace],
             "steps": self.turns,
         }
 
@@ -130,20 +139,20 @@ def solver_episode(maze: Maze, settings: EpisodeSettings) -> Episode:
     every rollout goes through (what the SFT warm start learns from, and what teacher-forced scores follow)."""
     from shared.maze.core import solve
     from shared.maze.prompt import solver_reply
-    from shared.models.engine import Completion
+    from shared.models.inference import Completion
 
     episode = start_episodes([maze], settings)[0]
     for action in [("move", d) for d in solve(maze)] + [("stop", "stop")]:
         if episode.session.done:
             break
-        reply = solver_reply(episode.session.episode.view(), action, settings.response_format, settings.action_style)
+        reply = solver_reply(episode.session.state.view(), action, settings.response_format, settings.action_style)
         episode.take(Completion(reply, []), keep_samples=True)
         if episode.turns[-1]["action"] != list(action):
             raise RuntimeError(f"the solver's reply {reply!r} reads as {episode.turns[-1]['action']}, not {action}")
     return episode
 
 
-def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samples: bool = False,
+def run_episodes(engine: Engine, mazes: list[Maze], settings: EpisodeSettings, keep_samples: bool = False,
                  seed: int | None = None, progress=None, batched: bool = True) -> list[Episode]:
     """Plays every maze to the end; returns the episodes in input order.
 
@@ -154,7 +163,7 @@ def run_episodes(engine, mazes: list[Maze], settings: EpisodeSettings, keep_samp
     return play_episodes(engine, start_episodes(mazes, settings), settings, keep_samples, seed, progress, batched)
 
 
-def play_episodes(engine, episodes: list[Episode], settings: EpisodeSettings, keep_samples: bool = False,
+def play_episodes(engine: Engine, episodes: list[Episode], settings: EpisodeSettings, keep_samples: bool = False,
                   seed: int | None = None, progress=None, batched: bool = True) -> list[Episode]:
     """Plays episodes (fresh, or already some turns in) to the end with the engine; returns them, in order."""
     rounds = 0
@@ -169,13 +178,11 @@ def play_episodes(engine, episodes: list[Episode], settings: EpisodeSettings, ke
                 completions = engine.generate([e.messages for e in group], settings.temperature, settings.max_new_tokens, seeds)
             except Exception as exc:  # an engine failure ends these episodes, scored failed, and the run goes on
                 for e in group:
-                    e.error = f"{type(exc).__name__}: {exc}"
-                    e.episode.done = True
+                    e.fail(f"{type(exc).__name__}: {exc}")
                 continue
             for e, completion in zip(group, completions):
                 if getattr(completion, "error", None):
-                    e.error = completion.error  # this maze is scored failed, with the reason kept
-                    e.episode.done = True
+                    e.fail(completion.error)
                     continue
                 e.take(completion, keep_samples)
         rounds += 1

@@ -28,6 +28,19 @@ REQUIRE_ALL = "MAZE_GRPO_REQUIRE_ALL_TESTS"
 _skipped: list[str] = []
 
 
+# The modules that start services, engines or containers (make test-fast leaves them out: `-m "not slow"`); tests
+# elsewhere that run a trainer or a server mark themselves slow.
+SLOW_MODULES = {"test_containers_e2e", "test_rollout_vllm", "test_server_vllm", "test_submit", "test_run_lock",
+                "test_gpu_image", "test_server", "test_server_hostile", "test_exporter", "test_dashboards",
+                "test_evaluator", "test_bad_input", "test_skyrl_backend"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES or "skyrl_checks" in str(item.fspath):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_logreport(report):
     if report.skipped:
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
@@ -62,7 +75,7 @@ def tiny_model_dir(tiny_cfg) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny(tiny_model_dir):
-    from shared.models.engine import load_model
+    from shared.models.loading import load_model
 
     return load_model(tiny_model_dir)
 

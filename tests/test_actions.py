@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.maze.actions import episode_reward, parse_action, read_tuple_reply, turn_is_well_formatted
-from shared.maze.core import MazeEpisode, generate
+from shared.maze.core import MazeState, generate
 from shared.maze.prompt import PromptStyle
 
 
@@ -56,7 +56,7 @@ def test_parser_never_raises(text):
 def test_tuple_reader_and_visgym_turns_never_raise(text):
     reply = read_tuple_reply(text)
     assert reply is None or (isinstance(reply, tuple) and len(reply) == 2)
-    action, _, feedback = PromptStyle("visgym").play_turn(MazeEpisode(generate("maze_2d/easy", 0)), text)
+    action, feedback = PromptStyle("visgym").play_turn(MazeState(generate("maze_2d/easy", 0)), text)
     assert feedback and (action is None or action[0] in ("move", "stop"))
 
 

@@ -15,7 +15,7 @@ import pytest
 from shared.episodes import EpisodeSettings, run_episodes
 from shared.maze import generate
 from shared.models.endpoint import OpenAIEngine
-from shared.models.engine import LocalEngine
+from shared.models.inference import LocalEngine
 
 REPO = Path(__file__).resolve().parent.parent
 QUICK = ["env.max_turns=2", "rollout.max_new_tokens=4"]
@@ -193,7 +193,7 @@ class _ScriptedPlayer:
         self.episode_of: dict[int, int] = {}
 
     def generate(self, conversations, temperature, max_new_tokens, seed):
-        from shared.models.engine import Completion
+        from shared.models.inference import Completion
 
         replies = []
         for messages in conversations:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.adapters import AdapterStore
+from shared.storage.adapters import AdapterStore
 from shared.storage.files import staged_dir
 from shared.storage.manifest import verify_manifest
 

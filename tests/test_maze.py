@@ -11,18 +11,15 @@ import numpy as np
 import pytest
 
 from shared.maze import (
-    FEEDBACK_INVALID,
-    FEEDBACK_OK,
-    FEEDBACK_WALL,
     EvalSet,
-    MazeEpisode,
-    TrainingTickets,
+    MazeState,
+    MazeStream,
     generate,
     render_rgb,
     render_text,
     solve,
 )
-from shared.maze.core import MOVES, first_mistake, optimal_action_count, path_progress
+from shared.maze.core import INVALID, MOVED, MOVES, STOPPED, WALL, first_mistake, optimal_action_count, path_progress
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "visgym_reference.json").read_text())
 REPO = Path(__file__).resolve().parent.parent
@@ -75,21 +72,21 @@ def test_perfect_maze_invariants(env_id):
 def test_step_semantics_walls_stop_and_budget():
     maze = generate("maze_2d/easy", 0)
     path = solve(maze)
-    ep = MazeEpisode(maze, max_turns=15)
+    ep = MazeState(maze, max_turns=15)
     # find a wall move from the start
     wall_dir = next(d for d, (dr, dc) in MOVES.items() if maze.maze_map[maze.agent[0] + dr, maze.agent[1] + dc] == 1)
-    assert ep.step(("move", wall_dir)) == (0.0, FEEDBACK_WALL) and ep.position == maze.agent
-    assert ep.step(("move", path[0]))[1] == FEEDBACK_OK and ep.position != maze.agent
-    assert ep.step(None)[1] == FEEDBACK_INVALID and ep.turns == 3
-    assert ep.step(("stop", "stop")) == (0.0, FEEDBACK_OK) and ep.done and not ep.solved  # stop off target
+    assert ep.step(("move", wall_dir)) == WALL and ep.position == maze.agent
+    assert ep.step(("move", path[0])) == MOVED and ep.position != maze.agent
+    assert ep.step(None) == INVALID and ep.turns == 3
+    assert ep.step(("stop", "stop")) == STOPPED and ep.done and not ep.solved  # stop off target
 
-    ep = MazeEpisode(maze, max_turns=50)
+    ep = MazeState(maze, max_turns=50)
     for d in path:
         ep.step(("move", d))
     assert ep.position == maze.target
-    assert ep.step(("stop", "stop"))[0] == 1.0 and ep.solved
+    assert ep.step(("stop", "stop")) == STOPPED and ep.solved
 
-    ep = MazeEpisode(maze, max_turns=3)
+    ep = MazeState(maze, max_turns=3)
     for d in path[:3]:
         ep.step(("move", d))
     assert ep.done and not ep.solved, "out of turns ends the episode with 0"
@@ -130,7 +127,7 @@ def test_first_mistake_names_the_first_move_a_perfect_agent_would_not_make():
 def test_path_progress_follows_the_shortest_path_not_the_straight_line():
     maze = generate("maze_2d/easy", 2)
     path = solve(maze)
-    ep = MazeEpisode(maze, max_turns=50)
+    ep = MazeState(maze, max_turns=50)
     seen = [path_progress(maze, ep.position)]
     for d in path:
         ep.step(("move", d))
@@ -181,17 +178,17 @@ def test_cli_rejects_bad_seed_range():
     assert proc.returncode != 0 and "9-3" in proc.stderr
 
 
-def test_training_tickets_exclude_eval_mazes_by_content():
+def test_training_maze_streams_exclude_eval_mazes_by_content():
     eval_set = EvalSet("maze_2d/easy", list(range(64)), 15)
     hashes = eval_set.content_hashes()
     # Starting the stream at seed 0 must skip every eval maze, by content, and count them.
-    tickets = TrainingTickets("maze_2d/easy", hashes, start=0)
-    taken = tickets.take(100)
+    stream = MazeStream("maze_2d/easy", hashes, start=0)
+    taken = stream.take(100)
     assert not {m.content_hash() for m in taken} & hashes
-    assert tickets.rejected >= 64
+    assert stream.rejected >= 64
     # The cursor resumes the identical stream.
-    resumed = TrainingTickets("maze_2d/easy", hashes, start=0)
-    resumed.load_state(TrainingTickets("maze_2d/easy", hashes, start=0).state())
+    resumed = MazeStream("maze_2d/easy", hashes, start=0)
+    resumed.load_state(MazeStream("maze_2d/easy", hashes, start=0).state())
     assert [m.seed for m in resumed.take(10)] == [m.seed for m in taken[:10]]
 
 
@@ -203,9 +200,9 @@ def test_sft_and_rl_draw_disjoint_streams_that_skip_every_held_out_set():
     excluded = excluded_from_training(cfg.env)
     held_out = EvalSet.held_out(cfg.env).content_hashes() | EvalSet.extended(cfg.env).content_hashes()
     assert excluded == held_out and len(held_out) == 575  # seeds 0-575: one maze of 64-575 repeats another
-    sft = TrainingTickets.for_sft(cfg.env, excluded)
+    sft = MazeStream.for_sft(cfg.env, excluded)
     sft_mazes = sft.take(40)
-    rl = TrainingTickets.for_rl(cfg.env, excluded)
+    rl = MazeStream.for_rl(cfg.env, excluded)
     rl_mazes = rl.take(40)
     # Seeds 500-575 are held out (the extended set): the SFT stream skipped them by content.
     assert not {m.content_hash() for m in sft_mazes + rl_mazes} & held_out
@@ -214,14 +211,14 @@ def test_sft_and_rl_draw_disjoint_streams_that_skip_every_held_out_set():
     assert sft.seed_range() == "500-615" and rl.seed_range().startswith("700-")
     # The SFT stream stops where GRPO's starts instead of drawing GRPO's mazes.
     with pytest.raises(ValueError, match="raise env.rl_seed_start"):
-        TrainingTickets.for_sft(cfg.env, excluded).take(200)
+        MazeStream.for_sft(cfg.env, excluded).take(200)
     with pytest.raises(ConfigError, match="env.rl_seed_start = 10 must lie past the SFT mazes"):
         load_config(overrides=["sft.num_mazes=40", "env.sft_seed_start=0", "env.rl_seed_start=10"], environ={})
 
 
-def test_training_tickets_can_skip_mazes_no_agent_solves_in_budget():
-    every = TrainingTickets("maze_2d/easy", set(), start=1_000_000).take(60)
-    solvable = TrainingTickets("maze_2d/easy", set(), start=1_000_000, max_actions=15).take(30)
+def test_training_maze_streams_can_skip_mazes_no_agent_solves_in_budget():
+    every = MazeStream("maze_2d/easy", set(), start=1_000_000).take(60)
+    solvable = MazeStream("maze_2d/easy", set(), start=1_000_000, max_actions=15).take(30)
     assert any(optimal_action_count(m) > 15 for m in every), "the plain stream holds unsolvable mazes"
     assert all(optimal_action_count(m) <= 15 for m in solvable)
     assert [m.seed for m in solvable] == [m.seed for m in every if optimal_action_count(m) <= 15][:30]

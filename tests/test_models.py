@@ -9,19 +9,11 @@ from PIL import Image
 from shared.config import load_config
 from shared.maze import generate, render_rgb
 from shared.maze.prompt import task_prompt
-from shared.models.chat import assistant_turn, limit_images, user_turn
-from shared.models.engine import (
-    LocalEngine,
-    ModelLoadError,
-    assistant_mask,
-    collate,
-    encode_conversation,
-    encode_turn,
-    load_model,
-    text_ids,
-    token_logprobs,
-)
+from shared.models.chat import assistant_turn, limit_images, text_ids, user_turn
+from shared.models.inference import LocalEngine
+from shared.models.loading import ModelLoadError, load_model
 from shared.models.tiny import build_tiny_model
+from shared.models.training import assistant_mask, collate, encode_conversation, encode_turn, token_logprobs
 from shared.storage.manifest import sha256_file
 
 CELL_PX = load_config().env.cell_px  # the profile's cell size: one merged vision token per cell
@@ -235,7 +227,7 @@ def test_shared_decoder_sees_changed_vision_weights(tiny):
     reference = LocalEngine(model, processor, max_images_in_context=1, decoder="transformers")
     convs = [_conversation(1), _conversation(2)]
     before = [c.token_ids for c in fast.generate(convs, 0.0, 6)]
-    assert fast._features, "the pictures' features were cached"
+    assert fast.shared._features, "the pictures' features were cached"
     weight = model.model.visual.merger.linear_fc2.weight
     saved = weight.detach().clone()
     try:
@@ -254,7 +246,7 @@ def test_shared_decoder_caches_no_vision_features_under_a_vision_lora(tiny):
     """A LoRA on the vision tower can be disabled or switched without writing a weight: nothing is cached."""
     from peft import LoraConfig, get_peft_model
 
-    from shared.models.engine import lora_target_regex
+    from shared.models.loading import lora_target_regex
 
     model, processor = tiny
     wrapped = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False,
@@ -269,16 +261,16 @@ def test_shared_decoder_caches_no_vision_features_under_a_vision_lora(tiny):
             off = [c.token_ids for c in fast.generate(convs, 0.0, 6)]
             assert off == [c.token_ids for c in reference.generate(convs, 0.0, 6)]
         assert on == [c.token_ids for c in reference.generate(convs, 0.0, 6)]
-        assert not fast._features
+        assert not fast.shared._features
     finally:
         wrapped.unload()  # the session's tiny model goes back as it was
 
 
 def test_shared_decoder_cache_limit_never_drops_a_picture_in_use(tiny, monkeypatch):
     """Found by a 512-maze eval: a full feature cache evicted pictures the same call was about to use."""
-    from shared.models import engine as engine_module
+    from shared.models import shared_decoder as decoder_module
 
-    monkeypatch.setattr(engine_module, "PIXEL_CACHE_IMAGES", 2)
+    monkeypatch.setattr(decoder_module, "PIXEL_CACHE_IMAGES", 2)
     model, processor = tiny
     fast = LocalEngine(model, processor, max_images_in_context=1)
     reference = LocalEngine(model, processor, max_images_in_context=1, decoder="transformers")
@@ -290,7 +282,7 @@ def test_shared_decoder_cache_limit_never_drops_a_picture_in_use(tiny, monkeypat
     fast.generate([first_turn(1), first_turn(2)], 0.0, 4)  # pictures 1 and 2 cached
     convs = [first_turn(1), first_turn(3), first_turn(4)]  # 1 is the oldest entry: a hit that must survive
     assert [c.token_ids for c in fast.generate(convs, 0.0, 4)] == [c.token_ids for c in reference.generate(convs, 0.0, 4)]
-    assert len(fast._features) == 2
+    assert len(fast.shared._features) == 2
 
 
 def test_unseeded_sampling_leaves_the_process_random_state_alone(tiny):
@@ -316,7 +308,7 @@ def test_each_row_samples_from_its_own_seed(tiny):
 
 
 def test_nucleus_keeps_the_smallest_set_holding_top_p():
-    from shared.models.engine import nucleus
+    from shared.models.shared_decoder import nucleus
 
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.9, 0.05, 0.03, 0.02]])
     assert torch.allclose(nucleus(probs, 0.8), torch.tensor([[0.5, 0.3, 0.0, 0.0], [0.9, 0.0, 0.0, 0.0]]))

@@ -12,7 +12,7 @@ import pytest
 
 from shared.episodes import EpisodeSettings, run_episodes
 from shared.maze import generate
-from shared.models.engine import LocalEngine
+from shared.models.inference import LocalEngine
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
@@ -70,7 +70,7 @@ def test_a_grpo_run_rolls_out_through_vllm(tmp_path):
 
     env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "services.trainer", *MINIMAL, "run_id=vllm-rollout", "rollout.engine=vllm",
-                           "schedule.total_steps=2", "rollout.n_samples_per_prompt=4", "server.kv_cache_bytes=268435456"],
+                           "schedule.total_steps=2", "rollout.n_samples_per_prompt=4", "rollout.vllm_kv_cache_bytes=268435456"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "runs" / "vllm-rollout" / "metrics.jsonl").read_text().splitlines()]

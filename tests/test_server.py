@@ -13,7 +13,7 @@ from shared.episodes import EpisodeSettings, run_episodes
 from shared.maze import generate
 from shared.maze.render import data_uri, render_rgb
 from shared.models.endpoint import OpenAIEngine
-from shared.models.engine import LocalEngine
+from shared.models.inference import LocalEngine
 
 KEY = "test-key-123"  # the server fixture's SERVER_API_KEY (conftest.py)
 BASE = "tiny-qwen3vl-sft"
@@ -85,7 +85,7 @@ def test_64_concurrent_requests_all_succeed(server):
 
 def test_greedy_parity_with_the_in_process_engine(server):
     url, cfg, run_id, *_ = server
-    from shared.adapters import AdapterStore
+    from shared.storage.adapters import AdapterStore
 
     adapter_id = f"{run_id}-step4"
     local_adapter = AdapterStore.from_config(cfg).fetch(adapter_id)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from request_cases import check, shared_cases
 
 from shared.maze import generate
 from shared.maze.render import data_uri, render_rgb
@@ -73,36 +74,12 @@ def test_prompt_size_limit_in_tokens(server):
 
 
 def test_bad_bodies_get_a_clear_400_never_a_500(server):
+    """The table both servers answer alike (tests/request_cases.py), and what only this server refuses."""
     url, *_ = server
-    cases = {
-        "not json": (_post(url, content=b"{not json"), 400, "JSON"),
-        "not utf-8": (_post(url, content=b'{"model": "\xff\xfe"}'), 400, "JSON"),
-        "a list": (_post(url, [1, 2]), 400, "object"),
-        "a string": (_post(url, "hello"), 400, "object"),
-        "no messages": (_post(url, {"model": BASE}), 400, "messages"),
-        "empty messages": (_post(url, {"model": BASE, "messages": []}), 400, "messages"),
-        "NaN temperature": (_post(url, content=b'{"model": "%s", "temperature": NaN, "messages": [{"role": "user", '
-                                                b'"content": "hi"}]}' % BASE.encode()), 400, "temperature"),
-        "huge max_tokens": (_post(url, {**_valid(0), "max_tokens": 10**30}), 400, "max_tokens"),
-        "negative max_tokens": (_post(url, {**_valid(0), "max_tokens": -1}), 400, "max_tokens"),
-        "n=2": (_post(url, {**_valid(0), "n": 2}), 400, "n"),
-        "messages not objects": (_post(url, {"model": BASE, "messages": ["hi"]}), 400, "messages"),
-        "part not an object": (_post(url, {"model": BASE, "messages": [{"role": "user", "content": [7]}]}), 400,
-                               "content part"),
-        "image url not a string": (_post(url, {"model": BASE, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": 5}}]}]}), 400, "data URI"),
-        "model not a string": (_post(url, {**_valid(0), "model": ["x"]}), 400, "model"),
-        "adapter id with a newline": (_post(url, _valid(0, f"{BASE}:x\n")), 400, "invalid"),
-        "adapter id with a slash": (_post(url, _valid(0, f"{BASE}:a/b")), 400, "invalid"),
-        "unknown model": (_post(url, _valid(0, "gpt-4")), 404, "gpt-4"),
-        "stream": (_post(url, {**_valid(0), "stream": True}), 400, "stream"),
-        "body too large": (_post(url, content=b" " * 1_600_000), 413, "max_request_bytes"),
-        "no token": (_post(url, _valid(0), headers={}), 401, "token"),
-    }
-    for name, (response, status, word) in cases.items():
-        assert response.status_code == status, (name, response.status_code, response.text[:300])
-        error = response.json()["error"]
-        assert word in error["message"] or word == error.get("param"), (name, error)
+    check(url, KEY, {**shared_cases(BASE),
+                     "stream (this server does not)": ({"json": {**_valid(0), "stream": True}}, 400, "stream"),
+                     "a penalty (not applied here)": ({"json": {**_valid(0), "frequency_penalty": 1}}, 400,
+                                                      "frequency_penalty")})
     unknown = httpx.get(f"{url}/v1/nothing", headers=AUTH)
     assert unknown.status_code == 404 and "error" in unknown.json()
     wrong_method = httpx.get(f"{url}/v1/chat/completions", headers=AUTH)
@@ -128,7 +105,7 @@ def _fingerprint(url: str, model: str) -> str:
 
 def test_a_re_pointed_alias_is_served_within_the_revalidation_time(server):
     url, cfg, run_id, env, _ = server
-    from shared.adapters import AdapterStore, adapter_version
+    from shared.storage.adapters import AdapterStore, adapter_version
 
     store = AdapterStore.from_config(cfg)
     version = {step: adapter_version(store.manifest(f"{run_id}-step{step}")) for step in (2, 4)}
@@ -241,25 +218,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def test_sampling_ranges_and_deep_bodies_are_refused_with_a_400(server):
-    url, *_ = server
-    deep = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "x": ' % BASE.encode()
-    cases = {
-        "top_p 3.0": (_post(url, {**_valid(0), "top_p": 3.0}), "top_p"),
-        "top_p 0": (_post(url, {**_valid(0), "top_p": 0}), "top_p"),
-        "temperature 2.5": (_post(url, {**_valid(0), "temperature": 2.5}), "temperature"),
-        "presence_penalty 9": (_post(url, {**_valid(0), "presence_penalty": 9}), "presence_penalty"),
-        "frequency_penalty 1 (not applied here)": (_post(url, {**_valid(0), "frequency_penalty": 1}), "frequency_penalty"),
-        "nested 20,000 deep": (_post(url, content=deep + b"[" * 20_000 + b"]" * 20_000 + b"}"), "nests"),
-        "nested 100 deep": (_post(url, content=deep + b"[" * 100 + b"]" * 100 + b"}"), "nests"),
-    }
-    for name, (response, word) in cases.items():
-        assert response.status_code == 400, (name, response.status_code, response.text[:300])
-        error = response.json()["error"]
-        assert word in error["message"] or word == error.get("param"), (name, error)
-    assert _post(url, {**_valid(0), "top_p": 0.9, "temperature": 1.0, "seed": 3}).status_code == 200
 
 
 def test_a_seeded_sample_does_not_depend_on_its_batch_neighbours(server):

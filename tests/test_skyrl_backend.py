@@ -37,7 +37,7 @@ def test_reference_recipe_lands_in_skyrl_keys(tmp_path):
     assert skyrl_overrides(tiny, tmp_path / "t", tmp_path / "v")["trainer.policy_mini_batch_size"] == 2
 
 
-def test_data_files_hold_tickets_and_the_eval_set(tmp_path):
+def test_data_files_hold_the_training_stream_and_the_eval_set(tmp_path):
     cfg = load_config(REPO / "configs/qwen3vl-8b-hyperpod.yaml", [f"storage.shared_dir={tmp_path}", "schedule.total_steps=2"],
                       environ={})
     train, val = data_files(cfg)

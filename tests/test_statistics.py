@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from shared.evaluation import paired_comparison, solved_by_seed, wilson_interval
+from shared.evaluation.statistics import paired_comparison, solved_by_seed, wilson_interval
 
 
 def test_wilson_interval_matches_published_values():
@@ -47,7 +47,7 @@ def test_paired_mean_difference_by_hand():
     """Per-maze success shares (mean@k) before and after, paired over mazes: diffs 0.5, 0.25, 0."""
     import math
 
-    from shared.evaluation import paired_mean_difference
+    from shared.evaluation.statistics import paired_mean_difference
 
     result = paired_mean_difference({1: 0.5, 2: 0.0, 3: 1.0}, {1: 1.0, 2: 0.25, 3: 1.0})
     se = 0.25 / math.sqrt(3)  # the diffs' sample sd is 0.25

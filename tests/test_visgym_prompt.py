@@ -16,7 +16,7 @@ from shared.config import ConfigError, load_config
 from shared.episodes import EpisodeSettings, run_episodes
 from shared.maze import generate
 from shared.maze.skyrl_env import register_env
-from shared.models.engine import Completion
+from shared.models.inference import Completion
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = json.loads((Path(__file__).parent / "data" / "visgym_prompt_reference.json").read_text())
@@ -86,7 +86,7 @@ def test_episode_runner_prompts_and_answers_as_upstream(env_id, seed):
     assert [turn["position"] for turn in episode.turns[: len(expected["steps"])]] == [s["agent"] for s in expected["steps"]]
     user_texts = [m["content"][0]["text"] for m in episode.messages[1:] if m["role"] == "user"]
     assert user_texts == feedback[:-1]  # what the model reads back is that feedback, picture after text
-    assert episode.episode.done and not episode.solved
+    assert episode.session.done and not episode.solved
 
 
 @pytest.mark.parametrize("case", REFERENCE["extract_action"], ids=lambda case: case["text"])

@@ -20,10 +20,13 @@ from pathlib import Path
 from services.evaluator.report import write_comparison, write_gifs, write_report
 from shared.config import CommandLineParser, RunConfig, add_config_arguments, config_from_args, reveal
 from shared.episodes import EpisodeSettings
-from shared.evaluation import describe, evaluate, plot_solve_rate, skyrl_eval_metrics
+from shared.evaluation import describe, evaluate
+from shared.evaluation.plots import plot_solve_rate
+from shared.evaluation.skyrl import skyrl_eval_metrics
 from shared.machine import machine_info
 from shared.maze.dataset import EvalSet, parse_seeds
-from shared.models.engine import LocalEngine, ModelLoadError
+from shared.models.inference import LocalEngine
+from shared.models.loading import ModelLoadError
 from shared.storage.files import append_jsonl, atomic_write_json, read_jsonl
 from shared.storage.ids import check_run_id
 from shared.storage.manifest import sha256_file
@@ -38,7 +41,7 @@ def resolve_adapter(cfg: RunConfig, adapter: str | None) -> Path | None:
     path = Path(adapter)
     if path.exists():
         return path
-    from shared.adapters import AdapterStore
+    from shared.storage.adapters import AdapterStore
 
     return AdapterStore.from_config(cfg).fetch(adapter)
 

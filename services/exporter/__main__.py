@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     from botocore.exceptions import BotoCoreError, ClientError
 
     from services.exporter.export import Exporter, adapter_table
-    from shared.adapters import AdapterStore
     from shared.storage import local_s3
+    from shared.storage.adapters import AdapterStore
 
     if args.command == "adopt":
         adopt(cfg, args.run or cfg.run_id, args.settle)

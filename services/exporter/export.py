@@ -17,7 +17,7 @@ from pathlib import Path
 
 from boto3.s3.transfer import TransferConfig
 
-from shared.adapters import AdapterNotFound, AdapterStore
+from shared.storage.adapters import AdapterNotFound, AdapterStore
 from shared.storage.ids import check_adapter_id
 from shared.storage.manifest import MANIFEST, model_identity, sha256_file
 from shared.storage.volume import ADAPTER_FILES, SharedVolume, complete_exports

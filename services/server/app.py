@@ -29,6 +29,7 @@ from services.server.request_rules import (
     ChatLimits,
     ChatRequest,
     RequestError,
+    check_bearer,
     check_prompt_tokens,
     error_body,
     parse_chat_request,
@@ -103,7 +104,8 @@ class MazeServer:
         from peft import LoraConfig, get_peft_model
 
         from shared.config import RunConfig
-        from shared.models.engine import LocalEngine, load_model, lora_target_regex
+        from shared.models.inference import LocalEngine
+        from shared.models.loading import load_model, lora_target_regex
 
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.cfg = RunConfig.model_validate(cfg_dict)
@@ -125,7 +127,7 @@ class MazeServer:
         self.count_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="count")
         self.store = None
         if self.cfg.storage.s3_uri:
-            from shared.adapters import AdapterStore
+            from shared.storage.adapters import AdapterStore
 
             self.store = AdapterStore.from_config(self.cfg)
         self.api_key = api_key
@@ -147,7 +149,7 @@ class MazeServer:
 
     async def _current_version(self, adapter_id: str) -> AdapterVersion:
         """Returns the adapter's version in S3, re-checking its manifest's ETag at most every adapter_revalidate_s."""
-        from shared.adapters import adapter_version
+        from shared.storage.adapters import adapter_version
 
         known = self.versions.get(adapter_id)
         now = time.monotonic()
@@ -193,7 +195,7 @@ class MazeServer:
         """Returns (peft adapter name, fingerprint) of the adapter's current version, loaded; RequestError if absent."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        from shared.adapters import AdapterChanging, AdapterNotFound
+        from shared.storage.adapters import AdapterChanging, AdapterNotFound
 
         if self.store is None:
             raise RequestError(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
@@ -213,9 +215,7 @@ class MazeServer:
     # ---- routes ------------------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-            raise RequestError(401, "missing or wrong bearer token (Authorization: Bearer $SERVER_API_KEY)",
-                               "authentication_error", code="invalid_api_key")
+        check_bearer(request.headers.get("authorization"), self.api_key)
 
     @api.get("/healthz")
     async def healthz(self):
@@ -277,7 +277,7 @@ class MazeServer:
     def _prompt_tokens(self, messages: list[dict]) -> int:
         """Returns the prompt's length in tokens as the model sees it: the served profile's context policy applied
         to the client's history, image tokens included."""
-        from shared.models.engine import chat_prompt, text_ids
+        from shared.models.chat import chat_prompt, text_ids
 
         try:
             text, images = chat_prompt(self.count_processor, messages, self.engine.max_images, self.engine.context_turns)

@@ -76,7 +76,8 @@ def ingress_config(cfg: RunConfig, api_key: str | None) -> dict:
         "ingress_extra_kwargs": {
             "api_key": api_key,
             "limits": {"max_images_per_request": server.max_images_per_request, "max_image_bytes": server.max_image_bytes,
-                       "max_new_tokens": server.max_new_tokens, "max_lora_rank": server.max_lora_rank},
+                       "max_new_tokens": server.max_new_tokens, "max_lora_rank": server.max_lora_rank,
+                       "max_request_bytes": server.max_request_bytes, "max_prompt_tokens": server.max_prompt_tokens},
             "s3_uri": cfg.storage.s3_uri,
             "endpoint_url": cfg.storage.aws_endpoint_url,
             "region": cfg.cluster.region,

@@ -1,23 +1,13 @@
-"""The front door of the vLLM app: Ray Serve LLM's OpenAI ingress plus this project's rules.
+"""The front door of the vLLM app: Ray Serve LLM's OpenAI ingress plus this project's request rules.
 
-Ray's `OpenAiIngress` routes `<base>:<adapter_id>` to the engine and lets the engine fetch the adapter
-from `dynamic_lora_loading_path`. It has no auth, no request limits, no notion of the exporter's
-manifests, and it caches an adapter by id forever. This subclass (handed to `build_openai_app` through
-`ingress_cls_config`) adds, before a request reaches the engine:
-
-- a bearer token on every route when SERVER_API_KEY is set;
-- the adapter id rules: valid characters (400), a complete manifest in S3 (404), a rank the engine
-  can take (400), and aliases resolved to the export they point at (so a re-pointed alias is served
-  from its new weights, never from the engine's cache of the old ones);
-- at most `max_images_per_request` images, each an inline data URI of at most `max_image_bytes`
-  (the engine would otherwise download any URL it is given), and `max_tokens` capped;
-- engine errors cut to one line that names the cause.
+`MazeIngress` (handed to `build_openai_app` through `ingress_cls_config`) reads each body itself and applies what
+the CPU server applies (services/server/request_rules.py), answering with the same error body, then its own
+adapter rules: a manifest in S3, a rank the engine takes, aliases resolved. See docs/server.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 from typing import Any
 
@@ -33,22 +23,22 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
 from services.server.llm import cause_line
-from services.server.request_rules import MIN_TEMPERATURE
-from shared.adapters import AdapterNotFound, AdapterStore
+from services.server.request_rules import (
+    ChatLimits,
+    RequestError,
+    check_bearer,
+    parse_chat_request,
+    parse_json_body,
+    parse_messages,
+    split_model,
+    validated,
+)
 from shared.config import from_environment
-from shared.storage.ids import check_adapter_id
+from shared.storage.adapters import AdapterNotFound, AdapterStore
 
 
-class Rejected(Exception):
-    """A request this server refuses: answered as OpenAI's error JSON with one line of message."""
-
-    def __init__(self, status_code: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status_code, self.message, self.kind = status_code, message, kind
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status_code,
-                            content={"error": {"message": self.message, "type": self.kind, "code": self.status_code}})
+def _answer(exc: RequestError) -> JSONResponse:
+    return JSONResponse(status_code=exc.status, content=exc.body())
 
 
 def _authorized(method):
@@ -56,10 +46,11 @@ def _authorized(method):
 
     @functools.wraps(method)
     async def route(self, *args, **kwargs):
+        request = kwargs.get("request") or next(a for a in args if isinstance(a, Request))
         try:
-            self.authorize(kwargs.get("request") or next(a for a in args if isinstance(a, Request)))
-        except Rejected as exc:
-            return exc.response()
+            check_bearer(request.headers.get("authorization"), self.api_key)
+        except RequestError as exc:
+            return _answer(exc)
         return await method(self, *args, **kwargs)
 
     return route
@@ -72,43 +63,34 @@ class MazeIngress(OpenAiIngress):
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths, **kwargs)
         self.api_key = api_key or from_environment("server.api_key")
         self.limits = dict(limits or {})
+        self.chat_limits = ChatLimits(self.limits.get("max_images_per_request", 16), self.limits.get("max_image_bytes",
+                                      2 << 20), self.limits.get("max_prompt_tokens", 8192))
         self.base_id = next(iter(model_cards))
         self.store = AdapterStore(s3_uri, endpoint_url, cache_dir, region=region) if s3_uri else None
 
     # ---- rules ---------------------------------------------------------------------------------------
 
-    def authorize(self, request: Request) -> None:
-        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-            raise Rejected(401, "missing or wrong bearer token (Authorization: Bearer $SERVER_API_KEY)",
-                          "authentication_error")
-
     async def resolve_model(self, model: str | None) -> str:
         """Returns the model id the engine should serve: the base, or `<base>:<adapter>` with aliases resolved."""
         model = model or self.base_id
-        base, has_adapter, adapter_id = model.partition(":")
-        if base != self.base_id:
-            raise Rejected(404, f"model {model!r} not found: this server serves {self.base_id!r} and "
-                               f"'{self.base_id}:<adapter_id>'", "not_found_error")
-        if not has_adapter:
+        adapter_id = split_model(model, self.base_id)
+        if adapter_id is None:
             return model
-        try:
-            check_adapter_id(adapter_id)
-        except ValueError as exc:
-            raise Rejected(400, str(exc)) from None
         if self.store is None:
-            raise Rejected(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
-                          "not_found_error")
+            raise RequestError(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
+                               "not_found_error", param="model", code="model_not_found")
         manifest = await self._manifest(adapter_id)
         rank, max_rank = manifest.get("rank"), self.limits.get("max_lora_rank")
         if rank is not None and max_rank is not None and int(rank) > max_rank:
-            raise Rejected(400, f"adapter {adapter_id!r} has LoRA rank {rank}, above this server's max_lora_rank "
-                               f"{max_rank}: re-export it with a smaller rank or raise server.max_lora_rank")
+            raise RequestError(400, f"adapter {adapter_id!r} has LoRA rank {rank}, above this server's max_lora_rank "
+                                    f"{max_rank}: re-export it with a smaller rank or raise server.max_lora_rank",
+                               param="model")
         target = manifest.get("alias_of")
         if target and target != adapter_id:
             try:
                 if (await self._manifest(target)).get("files") == manifest.get("files"):
-                    return f"{base}:{target}"
-            except Rejected:
+                    return f"{self.base_id}:{target}"
+            except RequestError:
                 pass  # the alias outlived its target: serve the alias's own files
         return model
 
@@ -116,36 +98,7 @@ class MazeIngress(OpenAiIngress):
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self.store.manifest, adapter_id)
         except AdapterNotFound as exc:
-            raise Rejected(404, str(exc), "not_found_error") from None
-
-    def check_messages(self, messages: list) -> None:
-        """Raises 400 on too many images or an image that is not a small enough inline data URI."""
-        max_images = self.limits.get("max_images_per_request")
-        max_bytes = self.limits.get("max_image_bytes")
-        images = 0
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
-            for part in content if isinstance(content, list) else []:
-                part = part if isinstance(part, dict) else getattr(part, "model_dump", lambda: {})()
-                if part.get("type") != "image_url":
-                    continue
-                images += 1
-                if max_images is not None and images > max_images:
-                    raise Rejected(400, f"too many images: at most {max_images} per request")
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
-                    raise Rejected(400, f"image {images}: not a data URI (send data:image/png;base64,...)")
-                size = len(base64.b64decode(url.split(",", 1)[1], validate=False))
-                if max_bytes is not None and size > max_bytes:
-                    raise Rejected(400, f"image {images}: {size} bytes is over the limit of {max_bytes}")
-
-    def check_sampling(self, body) -> None:
-        """Raises 400 on a temperature too close to 0 to sample with, as the transformers server does."""
-        temperature = getattr(body, "temperature", None)
-        if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
-            raise Rejected(400, f"temperature {temperature!r} is too small to sample with: use 0 for greedy decoding "
-                                f"or a value of at least {MIN_TEMPERATURE}")
+            raise RequestError(404, str(exc), "not_found_error", param="model", code="model_not_found") from None
 
     def cap_tokens(self, body) -> None:
         """Caps the reply length at server.max_new_tokens (vLLM reads max_completion_tokens first)."""
@@ -156,55 +109,65 @@ class MazeIngress(OpenAiIngress):
             body.max_completion_tokens = min(body.max_completion_tokens, cap)
         body.max_tokens = cap if body.max_tokens is None else min(body.max_tokens, cap)
 
-    async def _serve(self, body, request: Request, route) -> Any:
-        """Applies the rules, then hands the request to Ray's route; any refusal is one line of JSON."""
+    async def _serve(self, request: Request, body_type, route) -> Any:
+        """Reads and checks the body by the shared rules, then hands it to Ray's route; a refusal is one line of
+        OpenAI-shaped JSON."""
+        asked = "?"
         try:
-            self.authorize(request)
-            asked = body.model
-            body.model = await self.resolve_model(asked)
-            if hasattr(body, "messages"):
-                self.check_messages(body.messages)
-            self.check_sampling(body)
+            check_bearer(request.headers.get("authorization"), self.api_key)
+            payload = parse_json_body(await request.body(), self.limits.get("max_request_bytes", 48 << 20))
+            if body_type is ChatCompletionRequest:
+                checked = parse_chat_request(payload, streams=True, penalties=True)
+                parse_messages(checked.messages, self.chat_limits)
+            asked = payload.get("model") if isinstance(payload, dict) and isinstance(payload.get("model"), str) else "?"
+            resolved = await self.resolve_model(payload.get("model") if isinstance(payload, dict) else None)
+            body = validated(body_type, {**payload, "model": resolved})
             self.cap_tokens(body)
             try:
                 return await route(body, request)
             except OpenAIHTTPException as exc:  # Ray's own refusals (a prompt too long, a bad parameter)
-                raise Rejected(exc.status_code, f"{_what(asked)}: {cause_line(exc.message)}", exc.type) from None
+                raise RequestError(exc.status_code, f"{_what(asked)}: {cause_line(exc.message)}", exc.type) from None
             except Exception as exc:  # the engine failed this request (e.g. an adapter it cannot load)
                 if "VLLMValidationError" in f"{type(exc).__name__}: {exc}":  # vLLM refused the request (too long)
-                    raise Rejected(400, f"{_what(asked)}: {cause_line(str(exc))}") from None
-                raise Rejected(500, f"{_what(asked)}: {cause_line(str(exc))}", "server_error") from None
-        except Rejected as exc:
-            return exc.response()
+                    raise RequestError(400, f"{_what(asked)}: {cause_line(str(exc))}") from None
+                raise RequestError(500, f"{_what(asked)}: {cause_line(str(exc))}", "server_error") from None
+        except RequestError as exc:
+            return _answer(exc)
 
-    # ---- routes (the names and signatures Ray's route table expects) --------------------------------
+    # ---- routes (the names Ray's route table expects; each reads its own body) ----------------------
 
-    async def chat(self, body: ChatCompletionRequest, request: Request):
-        return await self._serve(body, request, super().chat)
+    async def chat(self, request: Request):
+        return await self._serve(request, ChatCompletionRequest, super().chat)
 
-    async def completions(self, body: CompletionRequest, request: Request):
-        return await self._serve(body, request, super().completions)
+    async def completions(self, request: Request):
+        return await self._serve(request, CompletionRequest, super().completions)
 
     async def models(self, request: Request) -> ModelList:
         """Lists the base model and every complete adapter (one with a manifest) in S3."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         try:
-            self.authorize(request)
-        except Rejected as exc:
-            return exc.response()
+            check_bearer(request.headers.get("authorization"), self.api_key)
+            adapters = []
+            if self.store is not None:
+                try:
+                    adapters = await asyncio.get_running_loop().run_in_executor(None, self.store.list)
+                except (BotoCoreError, ClientError) as exc:
+                    raise RequestError(503, f"the adapter store (S3) did not answer the listing: {exc}; try again",
+                                       "server_error") from None
+        except RequestError as exc:
+            return _answer(exc)
         base = self._model_cards[self.base_id]
-        adapters = []
-        if self.store is not None:
-            adapters = await asyncio.get_running_loop().run_in_executor(None, self.store.list)
         cards = [base] + [ModelCard(id=f"{self.base_id}:{a}", object="model", owned_by=base.owned_by,
                                     permission=list(base.permission), metadata=dict(base.metadata)) for a in adapters]
         return ModelList(data=cards)
 
     async def model_data(self, model: str, request: Request) -> ModelCard:
         try:
-            self.authorize(request)
+            check_bearer(request.headers.get("authorization"), self.api_key)
             resolved = await self.resolve_model(model)
-        except Rejected as exc:
-            return exc.response()
+        except RequestError as exc:
+            return _answer(exc)
         base = self._model_cards[self.base_id]
         if resolved == self.base_id:
             return base

@@ -1,13 +1,13 @@
-"""The rules a chat-completions request passes before any model sees it, and the errors it gets otherwise.
+"""The rules a request passes before any model sees it, and the errors it gets otherwise: one set for both servers.
 
-Kept apart from the deployment so any app in front of a model (the CPU server here, or one in front of
-vLLM) applies the same rules and answers with the same OpenAI-shaped error bodies:
+The CPU server (services/server/app.py) and the vLLM app's ingress (services/server/llm_ingress.py) both apply these
+and answer with the same OpenAI-shaped error body:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
-Everything here is plain Python: `parse_chat_request` turns a JSON body into a `ChatRequest` or raises
-`RequestError` (status + body); `check_prompt_tokens` applies the prompt-size limit once the caller has
-counted the prompt's tokens with its own tokenizer.
+`check_bearer` is the token check, `parse_json_body` the body's size, depth and syntax, `parse_chat_request` the
+fields (OpenAI's ranges), `split_model` the `<base>:<adapter>` rule, `parse_messages` the roles, parts and images,
+`check_prompt_tokens` the prompt size once a caller has counted it. Everything raises `RequestError`.
 """
 
 from __future__ import annotations
@@ -101,24 +101,39 @@ class ChatLimits:
     max_prompt_tokens: int
 
 
-def parse_chat_request(body) -> ChatRequest:
-    """Returns the validated request; RequestError (400) naming the first bad field otherwise."""
+def check_bearer(authorization: str | None, api_key: str | None) -> None:
+    """Raises RequestError 401 unless the Authorization header carries the server's token (none set: open)."""
+    if api_key and authorization != f"Bearer {api_key}":
+        raise RequestError(401, "missing or wrong bearer token (Authorization: Bearer $SERVER_API_KEY)",
+                           "authentication_error", code="invalid_api_key")
+
+
+def validated(model: type[BaseModel], body) -> BaseModel:
+    """Returns body validated as `model`; RequestError 400 naming the first bad field otherwise."""
     if not isinstance(body, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(body).__name__}")
     try:
-        request = ChatRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
         param = ".".join(str(part) for part in error["loc"]) or None
         raise RequestError(400, f"{param or 'body'}: {error['msg']}", param=param) from None
-    if request.stream:
+
+
+def parse_chat_request(body, streams: bool = False, penalties: bool = False) -> ChatRequest:
+    """Returns the validated request; RequestError (400) naming the first bad field otherwise.
+
+    `streams` / `penalties`: whether the server behind can stream and apply presence/frequency penalties (vLLM can;
+    the CPU server refuses them rather than ignore them)."""
+    request = validated(ChatRequest, body)
+    if request.stream and not streams:
         raise RequestError(400, "stream=true is not supported by this server: send stream=false (or leave it out) "
                                 "and read the whole reply", param="stream")
     if 0 < request.temperature < MIN_TEMPERATURE:
         raise RequestError(400, f"temperature {request.temperature!r} is too small to sample with: use 0 for greedy "
                                 f"decoding or a value of at least {MIN_TEMPERATURE}", param="temperature")
     for penalty in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, penalty):
+        if getattr(request, penalty) and not penalties:
             raise RequestError(400, f"{penalty} is not supported by this server: send 0 (or leave it out)",
                                param=penalty)
     return request

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
         enter_loopback()  # the in-process Ray listens on loopback only (re-runs this command once)
     from services.trainer.run_lock import RunLock, RunLocked
-    from shared.models.engine import ModelLoadError
+    from shared.models.loading import ModelLoadError
     from shared.storage.volume import SharedVolume
 
     try:

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import random
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -25,8 +24,9 @@ import ray
 import torch
 from tqdm import tqdm
 
-from services.trainer.report import compare_evals, compare_sampled, run_summary, write_run_report
-from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy, load_adapter_weights
+from services.trainer.checkpoints import checkpoint_settings, load_checkpoint, save_adapter, save_checkpoint
+from services.trainer.report import run_summary, write_run_report
+from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy
 from services.trainer.sft import ensure_sft
 from shared.branching import junction_accuracy, solver_decisions
 from shared.config import (
@@ -41,12 +41,15 @@ from shared.config import (
 )
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
+from shared.evaluation.statistics import compare_evals, compare_sampled
 from shared.machine import machine_info
-from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
-from shared.models.engine import LocalEngine, MergedCopy, TrainingSample, collate, token_logprobs
+from shared.maze.dataset import EvalSet, MazeStream, excluded_from_training
+from shared.models.inference import LocalEngine
+from shared.models.loading import MergedCopy
+from shared.models.training import TrainingSample, collate, token_logprobs
 from shared.storage.files import append_jsonl, atomic_write_text, read_jsonl, staged_dir
 from shared.storage.manifest import model_identity
-from shared.storage.volume import LATEST_STEP_FILE, SharedVolume, latest_complete_step, step_dirs
+from shared.storage.volume import SharedVolume, latest_complete_step
 
 # ---- the math ---------------------------------------------------------------------------------------
 
@@ -376,52 +379,6 @@ def loss_row_weights(response_mask: torch.Tensor, reduction: str, total_tokens: 
     raise ValueError(f"unknown loss_reduction {reduction!r}: use 'token_mean', 'token_mean_signal' or 'sequence_mean'")
 
 
-# ---- checkpoints ------------------------------------------------------------------------------------
-
-
-def save_adapter(model, folder: Path) -> None:
-    """Writes SkyRL's export layout: adapter_model.safetensors + adapter_config.json."""
-    # save_embedding_layers=False: peft would otherwise look the base model up on a hub.
-    model.save_pretrained(str(folder), safe_serialization=True, save_embedding_layers=False)
-
-
-def save_checkpoint(volume: SharedVolume, run_id: str, step: int, model, optimizer, tickets: TrainingTickets,
-                    settings: dict, keep: int | None = None) -> Path:
-    """Writes ckpts/global_step_N (adapter, optimizer, RNG, step, data cursor, the settings that trained it)
-    atomically, then the pointer; keeps the newest `keep`."""
-    final = volume.ckpt(run_id, step)
-    with staged_dir(final) as tmp:
-        save_adapter(model, tmp / "policy")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {"step": step, "tickets": tickets.state(), "python_rng": repr(random.getstate()),
-                 "settings_hash": settings_hash(settings), "settings": settings}
-        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state()}, tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    atomic_write_text(volume.ckpts(run_id) / LATEST_STEP_FILE, f"{step}\n")
-    if keep:
-        # Oldest first, and only after the pointer names the new one: a crash here leaves extra checkpoints, never none.
-        for _, older in step_dirs(volume.ckpts(run_id))[:-keep]:
-            shutil.rmtree(older, ignore_errors=True)
-    return final
-
-
-def checkpoint_settings(folder: Path) -> dict | None:
-    """Returns the training settings a checkpoint records (None for one written before they were recorded)."""
-    return json.loads((folder / "trainer_state.json").read_text()).get("settings")
-
-
-def load_checkpoint(folder: Path, model, optimizer, tickets: TrainingTickets) -> int:
-    """Restores adapter, optimizer, RNG and data cursor from a verified checkpoint; returns its step."""
-    load_adapter_weights(model, folder / "policy")
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
-    rng = torch.load(folder / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    state = json.loads((folder / "trainer_state.json").read_text())
-    tickets.load_state(state["tickets"])
-    return int(state["step"])
-
-
 # ---- the loop ---------------------------------------------------------------------------------------
 
 
@@ -478,7 +435,7 @@ class Trainer:
         for eval_set in (self.eval_set, self.extended):
             if eval_set:
                 eval_set.save(self.volume.dataset(cfg.env.eval_env))
-        self.tickets = TrainingTickets.for_rl(cfg.env, excluded_from_training(cfg.env))
+        self.stream = MazeStream.for_rl(cfg.env, excluded_from_training(cfg.env))
 
         step, changes = self.resume()
         self._record_settings(step, changes)
@@ -513,7 +470,7 @@ class Trainer:
                 f"config error: run {cfg.run_id!r} was trained to {found[1].name} with other settings: "
                 f"{', '.join(changes)}; start a new run (run_id=<new id>), or continue this one with the new settings "
                 "on purpose with --allow-changed-settings")
-        step = load_checkpoint(found[1], self.model, self.optimizer, self.tickets)
+        step = load_checkpoint(found[1], self.model, self.optimizer, self.stream)
         self.log(f"resuming {cfg.run_id} from {found[1]} (step {step})"
                  + (f" with changed settings: {', '.join(changes)}" if changes else ""))
         return step, changes
@@ -609,7 +566,7 @@ class Trainer:
 
         # 1. rollout: each worker plays its share of mazes, n samples each, batched across episodes
         started = time.perf_counter()
-        mazes = self.tickets.take(cfg.rollout.train_batch_size)
+        mazes = self.stream.take(cfg.rollout.train_batch_size)
         shares = [mazes[i :: len(self.workers)] for i in range(len(self.workers))]
         futures = [w.rollout.remote([(m.env_id, m.seed) for m in share], n, cfg.seed * 100_003 + step * 101 + i)
                    for i, (w, share) in enumerate(zip(self.workers, shares)) if share]
@@ -647,7 +604,7 @@ class Trainer:
             "timing/train_s": round(train_s, 3),
             "throughput/rollout_tokens_per_s": round(sum(len(s.input_ids) for s in samples) / max(rollout_s, 1e-9), 1),
             "throughput/train_tokens_per_s": round(sum(len(s.input_ids) for s in active) / max(train_s, 1e-9), 1),
-            "data/cursor": self.tickets.cursor,
+            "data/cursor": self.stream.cursor,
         }
 
     def end_step(self, step: int, metrics: dict) -> None:
@@ -668,7 +625,7 @@ class Trainer:
             with staged_dir(self.volume.export(cfg.run_id, step)) as tmp:
                 save_adapter(self.model, tmp)
         if step % sched.ckpt_interval == 0 or final:
-            save_checkpoint(self.volume, cfg.run_id, step, self.model, self.optimizer, self.tickets, self.settings,
+            save_checkpoint(self.volume, cfg.run_id, step, self.model, self.optimizer, self.stream, self.settings,
                             keep=sched.max_ckpts_to_keep)
         append_jsonl(self.volume.metrics(cfg.run_id), metrics)
 
@@ -682,7 +639,7 @@ class Trainer:
         steps = sorted(self.history)
         sft_eval = self.volume.model(cfg.model.path) / "eval" / "summary.json"
         data = {"sft_seeds": json.loads(sft_eval.read_text()).get("sft_seeds") if sft_eval.exists() else None,
-                "rl_seeds": self.tickets.seed_range()}
+                "rl_seeds": self.stream.seed_range()}
         atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg) + "".join(
             f"# {name}: {value or 'none drawn'}  (seeds drawn, inclusive; written at the end of the run)\n"
             for name, value in data.items()))

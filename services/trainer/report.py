@@ -1,6 +1,6 @@
 """The end of a local run: warm start against final policy on each eval set, printed, plotted and as a page.
 
-`compare_evals` / `compare_sampled` pair the two policies maze by maze (shared/evaluation.py has the statistics);
+`shared.evaluation.statistics.compare_evals` / `compare_sampled` pair the two policies maze by maze;
 `run_summary` is the block the trainer prints; `write_run_report` writes `solve_rate_vs_step.png` and `report.html`
 (the held-out curve, the extended set's greedy and sampled scores, and the success on the training mazes per step).
 """
@@ -12,51 +12,8 @@ import html
 import json
 from pathlib import Path
 
-from shared.evaluation import (
-    paired_comparison,
-    paired_mean_difference,
-    plot_solve_rate,
-    solved_by_seed,
-    success_by_maze,
-    wilson_interval,
-)
+from shared.evaluation.plots import plot_solve_rate
 from shared.storage.files import atomic_write_text
-
-
-def _end(folder: Path, solved: int, total: int) -> dict:
-    summary = json.loads((folder / "summary.json").read_text())
-    low, high = wilson_interval(solved, total)
-    return {"step": summary.get("step"), "solved": solved, "total": total, "ci_low": low, "ci_high": high,
-            "oracle_solved": summary["oracle_solved"], "errors": summary.get("errors", 0), "folder": str(folder),
-            "pass_at_1": summary.get("pass_at_1")}
-
-
-def compare_evals(before_dir: Path, after_dir: Path) -> dict:
-    """Returns warm start vs final on one greedy eval set: counts, 95% intervals, the paired test, the ceiling."""
-    before, after = solved_by_seed(before_dir), solved_by_seed(after_dir)
-    return {"before": _end(before_dir, sum(before.values()), len(before)),
-            "after": _end(after_dir, sum(after.values()), len(after)), "paired": paired_comparison(before, after)}
-
-
-def compare_sampled(before_dir: Path, after_dir: Path) -> dict[str, dict]:
-    """Returns {row name: comparison} for a sampled eval set: mean@k (per-maze success share, paired over mazes)
-    and pass@k (a maze counts when any of its k samples solved it, McNemar as for greedy)."""
-    before, after = success_by_maze(before_dir), success_by_maze(after_dir)
-    summary = json.loads((after_dir / "summary.json").read_text())
-    k, mazes, temperature = summary["samples_per_maze"], summary["mazes"], summary["temperature"]
-    episodes = mazes * k
-    mean = {"before": _end(before_dir, sum(map(sum, before.values())), episodes),
-            "after": _end(after_dir, sum(map(sum, after.values())), episodes),
-            "paired": paired_mean_difference({s: sum(v) / k for s, v in before.items()},
-                                             {s: sum(v) / k for s, v in after.items()})}
-    hit_before, hit_after = ({s: any(v) for s, v in side.items()} for side in (before, after))
-    passed = {"before": _end(before_dir, sum(hit_before.values()), mazes),
-              "after": _end(after_dir, sum(hit_after.values()), mazes),
-              "paired": paired_comparison(hit_before, hit_after)}
-    for end in (passed["before"], passed["after"]):
-        end["oracle_solved"] //= k  # mazes, not episodes
-        end["pass_at_1"] = None  # an episode-level share: it belongs to the mean@k row
-    return {f"extended {mazes} mean@{k} T={temperature:g}": mean, f"extended {mazes} pass@{k}": passed}
 
 
 def _rate(end: dict) -> str:

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import ray
 
-from shared.models.engine import TrainingSample
+from shared.models.training import TrainingSample
 
 
 def build_policy(base_dir: str | Path, lora_cfg, base_model_id: str, dtype: str = "float32", trainable: bool = False):
     """Returns (peft model, processor): the base checkpoint with a fresh LoRA of the configured shape."""
     from peft import LoraConfig, get_peft_model
 
-    from shared.models.engine import load_model, lora_target_regex
+    from shared.models.loading import load_model, lora_target_regex
 
     model, processor = load_model(base_dir, dtype)
     config = LoraConfig(
@@ -56,7 +56,7 @@ class RolloutWorker:
         import torch
 
         from shared.config import RunConfig
-        from shared.models.engine import LocalEngine
+        from shared.models.inference import LocalEngine
 
         torch.set_num_threads(threads)
         self.cfg = RunConfig.model_validate(cfg_dict)
@@ -66,7 +66,7 @@ class RolloutWorker:
             # The vLLM actor reserves no CPU: it works on this worker's behalf, while this worker waits.
             self.engine = VllmEngine(self.cfg, base_dir, name=self.cfg.model.base_model_id, num_cpus=0)
         else:
-            from shared.models.engine import MergedCopy
+            from shared.models.loading import MergedCopy
 
             model, processor = build_policy(base_dir, self.cfg.lora, self.cfg.model.base_model_id, self.cfg.model.dtype)
             self.policy = MergedCopy(model)  # plays at the base model's speed; refreshed at each sync
@@ -101,8 +101,9 @@ class RolloutWorker:
 
 
 @dataclass
-class PlayedEpisode:
-    """One sampled episode as the learner needs it: how it went, and one training sample per turn."""
+class ScoredEpisode:
+    """One played episode as the learner needs it: its reward and how it went, one training sample per turn (a
+    greedy-anchored branch: its one changed turn), and where the agent stood before each turn."""
 
     reward: float
     solved: bool
@@ -122,7 +123,7 @@ class MazeGroup:
 
     env_id: str
     seed: int
-    episodes: list[PlayedEpisode]  # greedy_branch: the greedy anchor first, then its branches
+    episodes: list[ScoredEpisode]  # greedy_branch: the greedy anchor first, then its branches
     errors: list[str] = field(default_factory=list)
     log: str = ""
     anchored: bool = False
@@ -137,7 +138,7 @@ def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int,
     maze, in order (what a rollout worker sends the learner)."""
     from shared.episodes import EpisodeSettings, run_episodes
     from shared.maze.core import generate
-    from shared.models.engine import encode_turn
+    from shared.models.training import encode_turn
 
     settings = EpisodeSettings.from_config(cfg, temperature=cfg.rollout.temperature)
     mazes = [generate(env_id, s) for env_id, s in seeds_env for _ in range(n_samples)]
@@ -149,18 +150,16 @@ def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int,
             group.errors.append(episode.error)
             continue
         samples = [encode_turn(engine, messages, completion) for messages, completion in episode.samples]
-        group.episodes.append(PlayedEpisode(reward=episode.reward(cfg.env.reward), solved=episode.solved,
-                                            turns=len(episode.turns), parse_failures=episode.parse_failures,
-                                            format_rate=episode.format_rate(), samples=samples,
-                                            states=[tuple(p) for p in episode.episode.trace[: len(samples)]]))
+        group.episodes.append(scored(episode, samples, cfg.env.reward))
     return groups
 
 
-def _played(episode, samples: list[TrainingSample], reward_mode: str, branch_turn: int | None = None,
-            reply_probs: list[float] | None = None) -> PlayedEpisode:
-    return PlayedEpisode(reward=episode.reward(reward_mode), solved=episode.solved, turns=len(episode.turns),
+def scored(episode, samples: list[TrainingSample], reward_mode: str, branch_turn: int | None = None,
+           reply_probs: list[float] | None = None) -> ScoredEpisode:
+    """Returns what the learner needs of a played episode (shared.episodes.Episode) and its training samples."""
+    return ScoredEpisode(reward=episode.reward(reward_mode), solved=episode.solved, turns=len(episode.turns),
                          parse_failures=episode.parse_failures, format_rate=episode.format_rate(), samples=samples,
-                         states=[tuple(p) for p in episode.episode.trace[: len(episode.turns)]], branch_turn=branch_turn,
+                         states=[tuple(p) for p in episode.trace[: len(episode.turns)]], branch_turn=branch_turn,
                          reply_probs=reply_probs)
 
 
@@ -206,7 +205,7 @@ def play_greedy_branches(engine, cfg, seeds_env: list[tuple[str, int]]) -> list[
     from shared.branching import action_replies, action_scores, branch, turn_views
     from shared.episodes import EpisodeSettings, play_episodes, run_episodes
     from shared.maze.core import generate
-    from shared.models.engine import encode_turn, reply_sample
+    from shared.models.training import encode_turn, reply_sample
 
     settings = EpisodeSettings.from_config(cfg, temperature=0.0)
     mazes = [generate(env_id, s) for env_id, s in seeds_env]
@@ -219,7 +218,7 @@ def play_greedy_branches(engine, cfg, seeds_env: list[tuple[str, int]]) -> list[
     for anchor in playable:
         rows_of[id(anchor)] = rows = [next(scores) for _ in anchor.samples]
         plans[id(anchor)] = branch_points(rows, [t["action"] for t in anchor.turns],
-                                          [tuple(p) for p in anchor.episode.trace], anchor.maze, cfg.rollout)
+                                          [tuple(p) for p in anchor.trace], anchor.maze, cfg.rollout)
     branches = [(anchor, turn, index,
                  branch(anchor, turn, action_replies(views[id(anchor)][turn], settings)[index], settings))
                 for anchor in playable for turn, indices in plans[id(anchor)] for index in indices]
@@ -238,7 +237,7 @@ def play_greedy_branches(engine, cfg, seeds_env: list[tuple[str, int]]) -> list[
             sample.old_logprobs = None
         # The policy's probability of each reply it gave (greedy: temperature 1 log-probabilities) ...
         probs = [math.exp(sum(completion.logprobs)) if completion.logprobs else None for _, completion in anchor.samples]
-        group.episodes.append(_played(anchor, samples, cfg.env.reward, reply_probs=probs))
+        group.episodes.append(scored(anchor, samples, cfg.env.reward, reply_probs=probs))
         for owner, turn, index, played in branches:
             if owner is not anchor:
                 continue
@@ -248,6 +247,6 @@ def play_greedy_branches(engine, cfg, seeds_env: list[tuple[str, int]]) -> list[
             messages, completion = played.samples[0]
             sample = reply_sample(engine.processor, messages, completion.text, engine.max_images, engine.context_turns)
             # ... and of each reply forced in its stead (its teacher-forced score)
-            group.episodes.append(_played(played, [sample], cfg.env.reward, branch_turn=turn,
+            group.episodes.append(scored(played, [sample], cfg.env.reward, branch_turn=turn,
                                           reply_probs=[math.exp(rows_of[id(anchor)][turn][index])]))
     return groups

@@ -23,9 +23,11 @@ from shared.config import ConfigError, RunConfig, changed_settings, command_line
 from shared.episodes import EpisodeSettings, solver_episode
 from shared.evaluation import describe, evaluate
 from shared.maze.core import Maze
-from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training
-from shared.models.engine import LocalEngine, TrainingSample, collate, load_model, reply_sample, token_logprobs
+from shared.maze.dataset import EvalSet, MazeStream, excluded_from_training
+from shared.models.inference import LocalEngine
+from shared.models.loading import load_model
 from shared.models.tiny import ensure_tiny_model
+from shared.models.training import TrainingSample, collate, reply_sample, token_logprobs
 from shared.storage.files import staged_dir
 from shared.storage.manifest import is_complete
 from shared.storage.volume import SharedVolume
@@ -75,19 +77,19 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
     model, processor = load_model(base_dir, cfg.model.dtype)
     eval_set = EvalSet.held_out(cfg.env)
     eval_set.save(volume.dataset(cfg.env.eval_env))
-    tickets = TrainingTickets.for_sft(cfg.env, excluded_from_training(cfg.env))
+    stream = MazeStream.for_sft(cfg.env, excluded_from_training(cfg.env))
     sft = cfg.sft
 
     started = time.perf_counter()
     samples: list[TrainingSample] = []
     try:
-        mazes = tickets.take(sft.num_mazes)
+        mazes = stream.take(sft.num_mazes)
     except ValueError as exc:
         raise ConfigError(f"config error: {exc}") from None
     for maze in tqdm(mazes, desc="sft data", unit="maze", leave=False):
         samples.extend(turn_samples(processor, expert_conversation(maze, cfg), cfg, sft.train_fraction_of_turns, rng))
-    log(f"sft: {len(samples)} turn samples from {sft.num_mazes} mazes, seeds {tickets.seed_range()} "
-        f"({tickets.rejected} candidates rejected as held-out mazes) in {time.perf_counter() - started:.0f}s")
+    log(f"sft: {len(samples)} turn samples from {sft.num_mazes} mazes, seeds {stream.seed_range()} "
+        f"({stream.rejected} candidates rejected as held-out mazes) in {time.perf_counter() - started:.0f}s")
 
     model.train()
     if not sft.train_vision:  # as in LLaVA-style SFT: the encoder stays as built, the language model learns to read it
@@ -127,7 +129,7 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
         summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), tmp / "eval",
                               model=cfg.model.path, adapter=None,
                               extra={"sft_samples": len(samples), "sft_batches": done_batches, "sft_train_s": round(train_s, 1),
-                                     "sft_seeds": tickets.seed_range(), "sft_seed_rejected": tickets.rejected,
+                                     "sft_seeds": stream.seed_range(), "sft_seed_rejected": stream.rejected,
                                      "sft_settings": sft_settings(cfg)})
     log("sft eval: " + describe(summary))
     return out_dir

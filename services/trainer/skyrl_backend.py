@@ -1,21 +1,8 @@
 """The `skyrl` backend: the same run config driving SkyRL's GRPO (vLLM rollout engines + FSDP) on GPUs.
 
-    python -m services.trainer --backend skyrl --config configs/qwen3vl-8b-hyperpod.yaml [--dry-run | --preflight]
-
-`--dry-run` prints SkyRL's overrides (validated by SkyRL's own config code where SkyRL is installed);
-`--preflight` runs everything a real run does before it needs GPUs (data files, SkyRL's config and
-`validate_cfg`, env registration, SkyRL's `initialize_ray` on the cluster, the env made in a Ray worker).
-
-`skyrl_overrides` maps our config onto SkyRL's (`SkyRLTrainConfig.from_cli_overrides`); the run writes
-its train/val data files from our tickets and eval set, registers our skyrl-gym env and runs SkyRL's
-`BasePPOExp` inside a Ray task, as SkyRL's own entrypoints do. SkyRL's checkpoint and export layout
-(`ckpts/global_step_N`, `exports/global_step_N/policy`) is our shared-volume contract; SkyRL writes no
-`manifest.json`, so the trainer it runs here seals each export right after SkyRL's `save_models` writes it
-(`sealing_experiment`), and the evaluator and exporter read it unchanged. `skyrl` is imported only inside functions.
-
-The solve rate of a SkyRL run is `eval/all/environment/solved` (shared.evaluation.SKYRL_SOLVE_RATE_METRIC),
-never `eval/all/pass_at_1`: SkyRL counts an episode as passed when its reward is above 0, and under
-`reward: task_format` an unsolved but well-formatted episode scores 0.2.
+`skyrl_overrides` maps our config onto SkyRL's; `run` writes the data files, registers our skyrl-gym env and runs
+SkyRL's `BasePPOExp` (with exports sealed as SkyRL writes them: `sealing_experiment`); `dry_run` and `preflight`
+check it all before GPU hours. `skyrl` is imported only inside functions. See docs/hyperpod.md.
 """
 
 from __future__ import annotations
@@ -28,8 +15,8 @@ import sys
 from pathlib import Path
 
 from shared.config import REPO_ROOT, RunConfig
-from shared.evaluation import SKYRL_SOLVE_RATE_METRIC
-from shared.maze.dataset import EvalSet, TrainingTickets, excluded_from_training, parse_seeds
+from shared.evaluation.skyrl import SKYRL_SOLVE_RATE_METRIC
+from shared.maze.dataset import EvalSet, MazeStream, excluded_from_training, parse_seeds
 from shared.maze.skyrl_env import ENV_CLASS, register_env
 from shared.storage.files import atomic_write_text
 from shared.storage.skyrl_exports import seal_export
@@ -91,11 +78,11 @@ def data_files(cfg: RunConfig) -> tuple[Path, Path]:
                        for s in seeds)
 
     eval_set = EvalSet.held_out(env)
-    tickets = TrainingTickets.for_rl(env, excluded_from_training(env))
+    stream = MazeStream.for_rl(env, excluded_from_training(env))
     count = cfg.rollout.train_batch_size * max(cfg.schedule.total_steps, 1) * TRAIN_TICKETS_PER_STEP_MARGIN
     train = folder / "train.jsonl"
     val = folder / "val.jsonl"
-    atomic_write_text(train, rows(env.id, [m.seed for m in tickets.take(count)]))
+    atomic_write_text(train, rows(env.id, [m.seed for m in stream.take(count)]))
     atomic_write_text(val, rows(env.eval_env, eval_set.seeds))
     return train, val
 
@@ -153,7 +140,7 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "trainer.resume_mode": s.resume_mode if s.resume_mode == "latest" else "none",
         "trainer.ckpt_path": str(run / "ckpts"),
         "trainer.export_path": str(run / "exports"),
-        # exports/dumped_evals/global_step_N_evals/aggregated_results.jsonl: where the solve rate is read (shared.evaluation.skyrl_solve_rates).
+        # exports/dumped_evals/global_step_N_evals/aggregated_results.jsonl: where the solve rate is read (shared.evaluation.skyrl.skyrl_solve_rates).
         "trainer.dump_eval_results": True,
         "trainer.log_path": str(run / "logs"),
         "trainer.run_name": cfg.run_id,

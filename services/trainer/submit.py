@@ -1,16 +1,9 @@
-"""Submitting a training run to a Ray cluster: `http://head:8265` or HyperPod's `sagemaker_ray://<raycluster>/<ns>`.
+"""Submitting a training run as a Ray job: to `http://head:8265`, or to HyperPod's protected endpoint,
+`sagemaker_ray://<raycluster>/<namespace>`, built from `cluster.ray_cluster` and `cluster.ray_namespace`.
 
-    make submit CONFIG=configs/qwen3vl-8b-hyperpod.yaml          # sagemaker_ray://<cluster.ray_cluster>/<ray_namespace>
-    make submit CONFIG=... RAY_ADDRESS=http://head:8265
-
-A `sagemaker_ray://` address names the RayCluster resource and its namespace (the plugin asks the EKS API for a
-RayDashboardConnection to it), not the HyperPod cluster; it is built from `cluster.ray_cluster` and
-`cluster.ray_namespace`, and a RAY_ADDRESS naming another RayCluster is refused. Before such a submission, a
-preflight describes the HyperPod cluster (`cluster.hyperpod_cluster`) with the SageMaker Python SDK and checks
-its instance groups against the config's cluster section (`--force` skips it). The job runs on the cluster's own
-storage (its pods' SHARED_DIR, S3_URI): nothing about the submitting machine's storage goes with it unless asked
-for (`--forward-env`, or a `storage.*` override). The job id is recorded on the submitting machine
-(`--record-dir`) and the job's logs are streamed until it ends.
+A HyperPod preflight checks the cluster against the profile first; the job runs on the cluster's own storage
+(nothing of the submitting machine's is forwarded unless asked); the job id is recorded on the submitting
+machine. See docs/hyperpod.md, section 4.
 """
 
 from __future__ import annotations

@@ -2,17 +2,15 @@
 
 from shared.maze.actions import episode_reward, format_action, parse_action, turn_is_well_formatted
 from shared.maze.core import (
-    FEEDBACK_INVALID,
-    FEEDBACK_OK,
-    FEEDBACK_WALL,
     Maze,
-    MazeEpisode,
+    MazeState,
     env_size,
     generate,
     optimal_action_count,
     solve,
 )
-from shared.maze.dataset import EvalSet, TrainingTickets, parse_seeds
+from shared.maze.dataset import EvalSet, MazeStream, parse_seeds
+from shared.maze.prompt import FEEDBACK_INVALID, FEEDBACK_OK, FEEDBACK_WALL
 from shared.maze.render import data_uri, render_rgb, render_text
 
 __all__ = [
@@ -21,8 +19,8 @@ __all__ = [
     "FEEDBACK_WALL",
     "EvalSet",
     "Maze",
-    "MazeEpisode",
-    "TrainingTickets",
+    "MazeState",
+    "MazeStream",
     "data_uri",
     "env_size",
     "episode_reward",

@@ -9,7 +9,7 @@ from pathlib import Path
 from PIL import Image
 
 from shared.config import command_line
-from shared.maze.core import MazeEpisode, generate, solve
+from shared.maze.core import MazeState, generate, solve
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.maze.render import VISGYM_CELL_PX, render_rgb, render_text, save_gif
 
@@ -33,7 +33,7 @@ def cmd_render(args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix.lower() == ".gif":
-        episode = MazeEpisode(maze, max_turns=10_000)
+        episode = MazeState(maze, max_turns=10_000)
         frames = [render_rgb(maze, args.cell_px)]
         for d in solve(maze):
             episode.step(("move", d))

@@ -6,7 +6,7 @@ import ast
 import re
 from typing import Any, Literal
 
-from shared.maze.core import DIRECTION_NAMES, MazeEpisode, path_progress
+from shared.maze.core import DIRECTION_NAMES
 
 Action = tuple[str, int | str]
 ActionStyle = Literal["tuple", "keyword"]
@@ -140,9 +140,3 @@ def episode_reward(solved: bool, turn_texts: list[str], mode: str, progress: flo
     if mode == "task_progress":
         return task if solved else 0.5 * min(max(progress, 0.0), 1.0)
     raise ValueError(f"unknown reward mode {mode!r}: use 'task', 'task_format' or 'task_progress'")
-
-
-def score_episode(episode: MazeEpisode, turn_texts: list[str], mode: str) -> float:
-    """Returns the reward of a finished episode; the path progress is only searched for when the mode uses it."""
-    progress = path_progress(episode.maze, episode.position) if mode == "task_progress" else 0.0
-    return episode_reward(episode.solved, turn_texts, mode, progress)

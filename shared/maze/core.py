@@ -21,12 +21,8 @@ ENV_SIZES = {"maze_2d/easy": (9, 9), "maze_2d/hard": (11, 11)}
 MOVES = {0: (0, 1), 1: (-1, 0), 2: (0, -1), 3: (1, 0)}
 DIRECTION_NAMES = {0: "right", 1: "up", 2: "left", 3: "down"}
 
-FEEDBACK_OK = "Action executed successfully."
-FEEDBACK_WALL = "Cannot move into a wall."
-FEEDBACK_INVALID = (
-    "Invalid action. Reply with exactly one of: ('move', 0) right, ('move', 1) up, "
-    "('move', 2) left, ('move', 3) down, ('stop', 'stop')."
-)
+# What one action did (shared.maze.prompt words each for the model).
+MOVED, WALL, INVALID, STOPPED = "moved", "wall", "invalid", "stopped"
 
 # Wilson's walk directions over the inner cell lattice (row, col), in VisGym's order.
 _WALK_DIRECTIONS = [(0, 1), (1, 0), (0, -1), (-1, 0)]
@@ -219,8 +215,8 @@ def first_mistake(maze: Maze, actions: list) -> dict | None:
 
 
 @dataclass
-class MazeEpisode:
-    """The mutable state of one episode; `step` applies VisGym's rules and returns feedback."""
+class MazeState:
+    """The mutable state of one maze being walked (position, turns used, trace); `step` applies VisGym's rules."""
 
     maze: Maze
     max_turns: int = 15
@@ -234,29 +230,29 @@ class MazeEpisode:
         self.position = self.maze.agent
         self.trace = [self.position]
 
-    def step(self, action: tuple[str, int | str] | None) -> tuple[float, str]:
-        """Applies one parsed action (None = unparseable, a wasted turn); returns (reward, feedback)."""
+    def step(self, action: tuple[str, int | str] | None) -> str:
+        """Applies one parsed action (None = unparseable, a wasted turn); returns what it did: MOVED, WALL (the agent
+        stays), INVALID or STOPPED (solved when on the target)."""
         if self.done:
-            raise RuntimeError("episode is over; start a new MazeEpisode")
+            raise RuntimeError("the maze walk is over; start a new MazeState")
         self.turns += 1
-        reward, feedback = 0.0, FEEDBACK_OK
+        outcome = MOVED
         if action is None:
-            feedback = FEEDBACK_INVALID
+            outcome = INVALID
         elif action[0] == "stop":
-            self.done = True
+            self.done, outcome = True, STOPPED
             self.solved = self.position == self.maze.target
-            reward = 1.0 if self.solved else 0.0
         else:
             dr, dc = MOVES[int(action[1])]
             nxt = (self.position[0] + dr, self.position[1] + dc)
             if self.maze.maze_map[nxt] == 1:
-                feedback = FEEDBACK_WALL
+                outcome = WALL
             else:
                 self.position = nxt
         self.trace.append(self.position)
         if not self.done and self.turns >= self.max_turns:
-            self.done = True  # out of turns: reward stays 0
-        return reward, feedback
+            self.done = True  # out of turns, unsolved
+        return outcome
 
     def view(self) -> Maze:
         """Returns the maze with the agent at its current position (what the next image shows)."""

@@ -1,4 +1,4 @@
-"""The held-out eval set and the stream of training tickets that never yields an eval maze (by content)."""
+"""The held-out eval sets, and the seed-ordered stream of training mazes that never yields a held-out one (by content)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def excluded_from_training(env) -> set[str]:
     return set().union(*(s.content_hashes() for s in sets if s is not None))
 
 
-class TrainingTickets:
+class MazeStream:
     """Training mazes: seeds from `start` upward, skipping any maze whose content equals an eval maze
     (and, with `max_actions`, any maze that needs more actions than that).
 
@@ -112,12 +112,12 @@ class TrainingTickets:
         self.end = start  # one past the highest seed drawn
 
     @classmethod
-    def for_sft(cls, env, excluded: set[str]) -> TrainingTickets:
+    def for_sft(cls, env, excluded: set[str]) -> MazeStream:
         """Returns the SFT warm start's maze stream: from env.sft_seed_start, ending before GRPO's first seed."""
         return cls(env.id, excluded, env.sft_seed_start, stop=env.rl_seed_start)  # the config puts GRPO's start above
 
     @classmethod
-    def for_rl(cls, env, excluded: set[str]) -> TrainingTickets:
+    def for_rl(cls, env, excluded: set[str]) -> MazeStream:
         """Returns GRPO's maze stream (only solvable mazes if the config says so), disjoint from SFT's."""
         return cls(env.id, excluded, env.rl_seed_start, env.max_turns if env.train_solvable_only else None,
                    repeat=env.rl_num_mazes)

@@ -1,7 +1,7 @@
-"""What the model reads and writes each turn: the task prompt, feedback turns and solver-written replies.
+"""Every text of a maze conversation: the task prompt, the feedback turns and solver-written replies.
 
 A `PromptStyle` holds one conversation's texts: the first user turn, how a reply is read and what the
-feedback turn says. `short` is this project's one-line prompt (the tiny model is trained on it);
+feedback turn says (the words for each outcome of `MazeState.step` live here, and only here). `short` is this project's one-line prompt (the tiny model is trained on it);
 `visgym` is the conversation the VisGym SFT checkpoint learned in SkyRL's VisGym SFT example
 (examples/train/visgym/env_sft.py): VisGym's maze_2d prompt plus SkyRL's format instruction, SkyRL's
 tuple reader and parse-error text, and VisGym's step feedback. tests/data/visgym_prompt_reference.json
@@ -14,9 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.maze.actions import Action, format_action, parse_action, read_tuple_reply
-from shared.maze.core import DIRECTION_NAMES, Maze, MazeEpisode
+from shared.maze.core import DIRECTION_NAMES, INVALID, WALL, Maze, MazeState
 
 PROMPT_STYLES = ("short", "visgym")
+
+# The feedback turn after each reply. A legal move and a wall are VisGym's own words, in both styles.
+FEEDBACK_OK = "Action executed successfully."
+FEEDBACK_WALL = "Cannot move into a wall."
+FEEDBACK_INVALID = (
+    "Invalid action. Reply with exactly one of: ('move', 0) right, ('move', 1) up, "
+    "('move', 2) left, ('move', 3) down, ('stop', 'stop')."
+)
+FEEDBACK = {WALL: FEEDBACK_WALL, INVALID: FEEDBACK_INVALID}  # any other outcome: FEEDBACK_OK
 
 # VisGym's RandomMaze2DEnv.get_prompt() for an RGB maze with the `move` and `stop` actions.
 VISGYM_PROMPT = (
@@ -115,16 +124,15 @@ class PromptStyle:
             return VISGYM_PROMPT.format(height=height, width=width) + SKYRL_FORMAT_INSTRUCTION
         return task_prompt(maze, self.response_format, self.action_style)
 
-    def play_turn(self, episode: MazeEpisode, text: str) -> tuple[Action | None, float, str]:
-        """Reads one reply, plays it on `episode`; returns (the action played or None, reward, feedback text).
+    def play_turn(self, state: MazeState, text: str) -> tuple[Action | None, str]:
+        """Reads one reply, plays it on `state`; returns (the action played or None, the feedback text).
 
         An unreadable or refused reply costs a turn and moves nothing, in both styles.
         """
         if self.name == "short":
             action = parse_action(text, self.action_style)
-            reward, feedback = episode.step(action)
-            return action, reward, feedback
+            return action, FEEDBACK.get(state.step(action), FEEDBACK_OK)
         reply = read_tuple_reply(text)
         action, refusal = _visgym_action(reply) if reply is not None else (None, SKYRL_PARSE_ERROR)
-        reward, feedback = episode.step(action)  # legal move and wall: core's texts are VisGym's
-        return action, reward, refusal or feedback
+        outcome = state.step(action)
+        return action, refusal or FEEDBACK.get(outcome, FEEDBACK_OK)

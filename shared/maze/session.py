@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.config import EnvConfig
-from shared.maze.actions import Action, score_episode, turn_is_well_formatted
-from shared.maze.core import Maze, MazeEpisode
+from shared.maze.actions import Action, episode_reward, turn_is_well_formatted
+from shared.maze.core import Maze, MazeState, path_progress
 from shared.maze.prompt import PromptStyle
 from shared.maze.render import render_rgb
 
@@ -44,11 +44,11 @@ class MazeSession:
     max_turns: int = _ENV_DEFAULTS.max_turns
     cell_px: int = _ENV_DEFAULTS.cell_px
     style: PromptStyle = field(default_factory=PromptStyle)
-    episode: MazeEpisode = field(init=False)
+    state: MazeState = field(init=False)
     replies: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        self.episode = MazeEpisode(self.maze, self.max_turns)
+        self.state = MazeState(self.maze, self.max_turns)
 
     def start(self) -> tuple[str, np.ndarray]:
         """Returns the first user turn: the task prompt's text and the maze picture (RGB)."""
@@ -57,22 +57,23 @@ class MazeSession:
     def step(self, reply: str) -> TurnResult:
         """Plays one reply (an unreadable one costs a turn and moves nothing); returns what it did."""
         self.replies.append(reply)
-        action, _, feedback = self.style.play_turn(self.episode, reply)
-        done = self.episode.done
-        picture = None if done else render_rgb(self.episode.view(), self.cell_px)
-        return TurnResult(reply, action, feedback, tuple(self.episode.position), done, self.episode.solved, picture)
+        action, feedback = self.style.play_turn(self.state, reply)
+        done = self.state.done
+        picture = None if done else render_rgb(self.state.view(), self.cell_px)
+        return TurnResult(reply, action, feedback, tuple(self.state.position), done, self.state.solved, picture)
 
     @property
     def done(self) -> bool:
-        return self.episode.done
+        return self.state.done
 
     @property
     def solved(self) -> bool:
-        return self.episode.solved
+        return self.state.solved
 
     def reward(self, mode: str) -> float:
         """Returns the episode's reward under `env.reward`'s mode (0 until it ends, for the task modes)."""
-        return score_episode(self.episode, self.replies, mode)
+        progress = path_progress(self.maze, self.state.position) if mode == "task_progress" else 0.0
+        return episode_reward(self.state.solved, self.replies, mode, progress)
 
     def format_rate(self) -> float:
         return sum(turn_is_well_formatted(r) for r in self.replies) / max(len(self.replies), 1)

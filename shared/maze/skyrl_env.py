@@ -62,7 +62,7 @@ class MazeEnv(BaseTextEnv):
                                      postprocessed_action=action)
 
     def get_metrics(self) -> dict[str, Any]:
-        return {"solved": float(self.session.solved), "turns": self.session.episode.turns}
+        return {"solved": float(self.session.solved), "turns": self.session.state.turns}
 
 
 def register_env() -> None:

@@ -105,3 +105,31 @@ def images_of(messages: list[dict], max_image_bytes: int = 4 * 1024 * 1024) -> l
                 url = url.get("url") if isinstance(url, dict) else url
                 images.append(decode_data_uri(url, max_image_bytes))
     return images
+
+
+def image_token_count(processor, image) -> int:
+    """Returns how many <|image_pad|> tokens the processor gives an image (its merged patch grid)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    ip = processor.image_processor
+    height, width = smart_resize(image.height, image.width, factor=ip.patch_size * ip.merge_size,
+                                 min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
+    return (height // ip.patch_size) * (width // ip.patch_size) // ip.merge_size**2
+
+
+def text_ids(processor, text: str, images: list) -> list[int]:
+    """Returns the token ids the processor would give (text, images), without computing pixel values."""
+    pad = processor.image_token
+    pieces = text.split(pad)
+    if len(pieces) - 1 != len(images):
+        raise ValueError(f"prompt has {len(pieces) - 1} image placeholders but {len(images)} images")
+    expanded = pieces[0] + "".join(pad * image_token_count(processor, img) + piece for img, piece in zip(images, pieces[1:]))
+    return processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+
+
+def chat_prompt(processor, messages: list[dict], max_images: int, max_turns: int | None = None) -> tuple[str, list]:
+    """Returns (prompt text, images) as a model sees a conversation before it replies: the context policy
+    (`limit_context`) applied, then the chat template with the generation prompt. Every engine and the SFT use it."""
+    messages = limit_context(messages, max_images, max_turns)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, images_of(messages)

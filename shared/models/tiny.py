@@ -41,8 +41,8 @@ SPECIAL_TOKENS = [
 def tokenizer_corpus() -> list[str]:
     """Returns the text the tokenizer is trained on: every prompt, reply and feedback form the task uses."""
     from shared.maze.actions import format_action
-    from shared.maze.core import FEEDBACK_INVALID, FEEDBACK_OK, FEEDBACK_WALL, generate, solve
-    from shared.maze.prompt import solver_reply, task_prompt
+    from shared.maze.core import generate, solve
+    from shared.maze.prompt import FEEDBACK_INVALID, FEEDBACK_OK, FEEDBACK_WALL, solver_reply, task_prompt
 
     lines = [FEEDBACK_OK, FEEDBACK_WALL, FEEDBACK_INVALID, "user\n", "assistant\n", "system\n"]
     actions = [("move", d) for d in range(4)] + [("stop", "stop")]

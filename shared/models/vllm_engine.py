@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.config import REPO_ROOT
-from shared.models.chat import END_OF_TURN
-from shared.models.engine import Completion, chat_prompt, row_seeds
+from shared.models.inference import ChatEngine, Completion, row_seeds
 
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -70,8 +69,9 @@ class VllmGenerator:
         return results
 
 
-class VllmEngine:
-    """A rollout engine backed by vLLM in a Ray actor; LocalEngine's interface (prompt, generate, processor)."""
+class VllmEngine(ChatEngine):
+    """A rollout engine backed by vLLM in a Ray actor: LocalEngine's prompts, stop and forbidden ids (ChatEngine),
+    generation by vLLM. Its knobs are the rollout section's (rollout.vllm_kv_cache_bytes, rollout.vllm_max_model_len)."""
 
     def __init__(self, cfg, model_dir: str | Path, name: str = "vllm", python: str | Path = VLLM_PYTHON, num_cpus: float = 1):
         import ray
@@ -79,32 +79,22 @@ class VllmEngine:
 
         if not Path(python).exists():
             raise FileNotFoundError(f"no vLLM environment at {python}: build it with `make vllm-env`")
-        self.processor = AutoProcessor.from_pretrained(model_dir)
-        self.max_images = cfg.model.max_images_in_context
-        self.context_turns = cfg.model.max_turns_in_context
-        self.name, self.adapter, self._adapter_request = name, None, None
-        tokenizer = self.processor.tokenizer
-        self.stop_ids = [tokenizer.convert_tokens_to_ids(END_OF_TURN), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
-        vision = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-        self.suppress_ids = [i for i in (tokenizer.convert_tokens_to_ids(t) for t in vision)
-                             if i is not None and i != tokenizer.unk_token_id]
-        server = cfg.server
+        super().__init__(AutoProcessor.from_pretrained(model_dir), cfg.model.max_images_in_context,
+                         cfg.model.max_turns_in_context, name)
+        self._adapter_request = None
         from shared.local_ray import loopback_env_for_vllm
 
         runtime_env = {"py_executable": str(python), "env_vars": loopback_env_for_vllm()}
         actor = ray.remote(VllmGenerator).options(num_cpus=num_cpus, runtime_env=runtime_env)
-        self.actor = actor.remote(str(model_dir), cfg.model.dtype, max(cfg.lora.rank, server.max_lora_rank),
-                                  server.kv_cache_bytes, server.max_model_len, max(1, self.max_images), cfg.seed)
+        self.actor = actor.remote(str(model_dir), cfg.model.dtype, max(cfg.lora.rank, cfg.server.max_lora_rank),
+                                  cfg.rollout.vllm_kv_cache_bytes, cfg.rollout.vllm_max_model_len,
+                                  max(1, self.max_images), cfg.seed)
         self.log_path = ray.get(self.actor.log_path.remote())
 
     def load_adapter(self, adapter_dir: str | Path | None, step: int) -> None:
         """Serves the adapter in adapter_dir from now on (re-read from disk: a new id per step)."""
         self.adapter = str(adapter_dir) if adapter_dir else None
         self._adapter_request = (f"step-{step}", step + 1, str(adapter_dir)) if adapter_dir else None
-
-    def prompt(self, messages: list[dict]) -> tuple[str, list]:
-        """Returns (prompt text, images) exactly as LocalEngine builds them."""
-        return chat_prompt(self.processor, messages, self.max_images, self.context_turns)
 
     def generate(self, conversations: list[list[dict]], temperature: float = 0.0, max_new_tokens: int = 24,
                  seed: int | Sequence[int | None] | None = None) -> list[Completion]:

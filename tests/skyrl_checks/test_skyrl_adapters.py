@@ -24,7 +24,8 @@ from skyrl.train.config import FSDPConfig
 
 from services.trainer.skyrl_backend import skyrl_config, skyrl_overrides
 from shared.config import load_config
-from shared.models.engine import LocalEngine, attach_adapter, load_model
+from shared.models.inference import LocalEngine
+from shared.models.loading import attach_adapter, load_model
 
 REPO = Path(__file__).resolve().parents[2]
 OLD_REGEX = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"

@@ -23,10 +23,10 @@ from transformers import AutoTokenizer
 
 from services.trainer.skyrl_backend import skyrl_config
 from shared.config import load_config
-from shared.evaluation import SKYRL_SOLVE_RATE_METRIC, skyrl_solve_rates
+from shared.evaluation.skyrl import SKYRL_SOLVE_RATE_METRIC, skyrl_solve_rates
 from shared.maze import generate, solve
 from shared.maze.actions import format_action
-from shared.maze.core import MazeEpisode
+from shared.maze.core import MazeState
 from shared.maze.render import render_rgb
 from shared.maze.skyrl_env import register_env
 from shared.storage.volume import SharedVolume
@@ -43,7 +43,7 @@ def tagged(action) -> str:
 
 def wall_direction(maze) -> int:
     for direction in range(4):
-        episode = MazeEpisode(maze, 2)
+        episode = MazeState(maze, 2)
         episode.step(("move", direction))
         if episode.position == maze.agent:
             return direction
@@ -136,7 +136,7 @@ def test_observations_are_our_pictures_of_each_position(skyrl_eval):
     conversations = [c for c in engine.rendered if np.array_equal(_picture(c[0]), start)]
     assert conversations, "the solver's maze was never rendered"
     longest = max(conversations, key=len)
-    episode = MazeEpisode(maze, MAX_TURNS)
+    episode = MazeState(maze, MAX_TURNS)
     users = [m for m in longest if m["role"] == "user"]
     assert np.array_equal(_picture(users[0]), start)
     for move, message in zip(solve(maze), users[1:], strict=False):
