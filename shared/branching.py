@@ -93,6 +93,8 @@ def junction_accuracy(decisions: list[dict]) -> dict:
         return row["scores"][row["truth"]] - top - math.log(sum(math.exp(v - top) for v in row["scores"]))
 
     at = [row for row in decisions if row["junction"]]
-    return {"decisions": len(at), "accuracy": sum(best(r) == r["truth"] for r in at) / max(len(at), 1),
-            "mean_logprob": sum(logp(r) for r in at) / max(len(at), 1), "all_turns": len(decisions),
+    if not at:  # no real choice on these paths (a turn budget shorter than the first junction)
+        return {"decisions": 0, "all_turns": len(decisions)}
+    return {"decisions": len(at), "accuracy": sum(best(r) == r["truth"] for r in at) / len(at),
+            "mean_logprob": sum(logp(r) for r in at) / len(at), "all_turns": len(decisions),
             "all_turns_accuracy": sum(best(r) == r["truth"] for r in decisions) / max(len(decisions), 1)}

@@ -106,7 +106,8 @@ def describe_diagnosis(d: dict) -> str:
         f"one step back out of a side branch rescues {back['rescued']} of the {back['first_step_into_a_side_branch']} "
         f"that start by entering one ({100 * back['share_of_failures']:.1f}% of failures); by branch size "
         f"{back['rescued_by_branch_cells']} of {back['tried_by_branch_cells']}",
-        f"teacher-forced on the solver's path: junction accuracy {100 * junctions['accuracy']:.1f}% over "
-        f"{junctions['decisions']} decisions (mean log-prob of the right action {junctions['mean_logprob']:.3f}); "
-        f"all turns {100 * junctions['all_turns_accuracy']:.1f}%",
+        (f"teacher-forced on the solver's path: junction accuracy {100 * junctions['accuracy']:.1f}% over "
+         f"{junctions['decisions']} decisions (mean log-prob of the right action {junctions['mean_logprob']:.3f}); "
+         f"all turns {100 * junctions['all_turns_accuracy']:.1f}%") if junctions["decisions"] else
+        "teacher-forced on the solver's path: no junction within the turn budget",
     ])

@@ -539,7 +539,7 @@ class Trainer:
         if step not in self.history:
             junctions = summary.get("junctions") or {}
             self.log(f"eval @ step {step}: " + describe(summary)
-                     + (f"; junction accuracy {100 * junctions['accuracy']:.1f}%" if junctions else ""))
+                     + (f"; junction accuracy {100 * junctions['accuracy']:.1f}%" if "accuracy" in junctions else ""))
             append_jsonl(self.run_dir / "evals" / "history.jsonl", {"step": step, **summary})
             self.history[step] = summary
         return summary

@@ -112,7 +112,8 @@ def evaluate(engine, eval_set: EvalSet, settings: EpisodeSettings, out_dir: str 
                         samples=samples, reward=settings.reward)
     if out_dir is not None:
         out_dir = Path(out_dir)
-        atomic_write_text(out_dir / "episodes.jsonl", "".join(json.dumps(e.record()) + "\n" for e in episodes))
+        atomic_write_text(out_dir / "episodes.jsonl", "".join(
+            json.dumps({**e.record(), "reward": e.reward(settings.reward)}) + "\n" for e in episodes))
         atomic_write_json(out_dir / "summary.json", summary)  # last: a summary means the folder is complete
     return summary, episodes
 
