@@ -243,11 +243,13 @@ def test_any_clients_history_is_cut_to_the_served_profiles_context(server):
     url, cfg, *_ = server
     picture = lambda seed: Image.fromarray(render_rgb(generate("maze_2d/easy", seed), 16))  # noqa: E731
     history = [user_turn("9x9 maze: reach the red square.", picture(0))]
-    for turn in range(4):
-        history += [assistant_turn(f"('move', {turn % 4})"), user_turn("Action executed successfully.", picture(turn + 1))]
+    for turn in range(4):  # the last two observations carry pictures: 3 images, this server's per-request cap
+        history += [assistant_turn(f"('move', {turn % 4})"),
+                    user_turn("Action executed successfully.", picture(turn + 1) if turn >= 2 else None)]
     trimmed = limit_context(history, cfg.model.max_images_in_context, cfg.model.max_turns_in_context)
     assert len(trimmed) < len(history)
-    answers = [_post(url, {"model": BASE, "max_tokens": 6, "messages": to_openai_messages(m)}).json()
-               for m in (history, trimmed)]
+    replies = [_post(url, {"model": BASE, "max_tokens": 6, "messages": to_openai_messages(m)}) for m in (history, trimmed)]
+    assert [r.status_code for r in replies] == [200, 200], [r.text[:500] for r in replies]
+    answers = [r.json() for r in replies]
     assert answers[0]["usage"]["prompt_tokens"] == answers[1]["usage"]["prompt_tokens"]
     assert answers[0]["choices"][0]["message"]["content"] == answers[1]["choices"][0]["message"]["content"]

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 def test_reference_recipe_lands_in_skyrl_keys(tmp_path):
     cfg = load_config(REPO / "configs/qwen3vl-8b-hyperpod.yaml", [f"storage.shared_dir={tmp_path}"], environ={})
     o = skyrl_overrides(cfg, tmp_path / "t", tmp_path / "v")
-    assert o["trainer.policy.model.lora.rank"] == 32 and o["trainer.policy.optimizer_config.lr"] == 1e-6
+    # LoRA at 10x the example's full fine-tune rate (1e-6), as SkyRL's LoRA guide advises
+    assert o["trainer.policy.model.lora.rank"] == 32 and o["trainer.policy.optimizer_config.lr"] == 1e-5
     assert o["generator.n_samples_per_prompt"] == 8 and o["generator.max_turns"] == 15
     assert o["generator.sampling_params"]["temperature"] == 0.7 and o["trainer.algorithm.use_kl_loss"] is False
     assert (o["trainer.eval_interval"], o["trainer.ckpt_interval"], o["trainer.hf_save_interval"]) == (10, 20, 20)
@@ -30,7 +31,7 @@ def test_reference_recipe_lands_in_skyrl_keys(tmp_path):
     assert o["trainer.ckpt_path"] == str(run / "ckpts") and o["trainer.export_path"] == str(run / "exports")
     assert o["trainer.policy.model.lora.lora_sync_path"] == str(run / "lora_sync")
     assert o["environment.env_class"] == "maze_2d"
-    assert o["trainer.policy_mini_batch_size"] == o["trainer.train_batch_size"], "unset: one update per step"
+    assert (o["trainer.train_batch_size"], o["trainer.policy_mini_batch_size"]) == (24, 12), "two updates a step"
     assert o["trainer.policy.model.lora.target_modules"] == cfg.lora.target_modules, "names: SkyRL list()s the value"
     assert o["generator.inference_engine.engine_init_kwargs"]["max_model_len"] == 60000
     tiny = load_config(REPO / "configs/tiny-cpu.yaml", [f"storage.shared_dir={tmp_path}"], environ={})

@@ -219,9 +219,10 @@ def test_submit_works_from_a_machine_without_the_profiles_shared_folder(tmp_path
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}",
                     f"--dashboard-agent-listen-port={_port()}", "--disable-usage-stats"], check=True,
                    env={**env, "SHARED_DIR": str(cluster_storage)}, capture_output=True, timeout=180)
+    # Not under tmp_path: pytest's base folder is private to the user running the tests (mode 0700), and the
+    # submitting user below is another user, who must reach its own home.
+    home = Path(tempfile.mkdtemp(prefix="laptop-home-", dir="/tmp"))
     try:
-        home = tmp_path / "laptop-home"
-        home.mkdir()
         laptop = {k: v for k, v in env.items() if k not in ("SHARED_DIR",)}
         laptop.update({"HOME": str(home), "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}",
                        "SHARED_DIR": "/shared-on-the-cluster-only"})  # the obvious work-around, which must stay local
@@ -238,3 +239,4 @@ def test_submit_works_from_a_machine_without_the_profiles_shared_folder(tmp_path
     finally:
         stop_ray_started_in(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)

@@ -9,13 +9,11 @@ used to pass) arrives as single characters and PEFT refuses the adapter.
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from peft import PeftModel
 from skyrl.backends.skyrl_train.distributed.fsdp_strategy import FSDPStrategy
 from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
@@ -31,14 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 OLD_REGEX = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_process_group")
 
 
 class EngineClient:
@@ -135,7 +126,7 @@ def test_the_skyrl_backend_seals_each_export_skyrl_writes(tmp_path, tiny_model_d
 
     cfg = load_config(REPO / "configs/tiny-cpu.yaml", [f"storage.shared_dir={tmp_path}", "backend=skyrl",
                       "cluster.num_workers=1", "cluster.num_engines=2", "algorithm.micro_batch_size=8",
-                      "algorithm.advantage_estimator=grpo"], environ={})
+                      "algorithm.advantage_estimator=grpo", "rollout.strategy=sample"], environ={})
     volume = SharedVolume(tmp_path)
     experiment = sealing_experiment()
     # The experiment the backend runs builds this trainer where SkyRL's BasePPOExp builds its own.

@@ -32,7 +32,7 @@ HYPERPOD = "configs/qwen3vl-8b-hyperpod.yaml"
 # SkyRL's GRPO advantage (its local `branch` advantage is ours alone).
 PROFILES = {HYPERPOD: [], "configs/tiny-cpu.yaml": [
     "backend=skyrl", "cluster.num_workers=1", "cluster.num_engines=2", "algorithm.micro_batch_size=8",
-    "algorithm.advantage_estimator=grpo"]}
+    "algorithm.advantage_estimator=grpo", "rollout.strategy=sample"]}
 
 
 def load(profile: str, shared: Path, *overrides: str):
@@ -88,7 +88,8 @@ def test_batch_check_agrees_with_skyrls_trimming(mazes, samples, gpus, tmp_path)
                            cfg=SimpleNamespace(generator=SimpleNamespace(n_samples_per_prompt=samples)))
     kept = RayPPOTrainer._remove_tail_data(host, list(range(mazes)))
     cfg = load(HYPERPOD, tmp_path, f"rollout.train_batch_size={mazes}", f"rollout.n_samples_per_prompt={samples}",
-               f"cluster.num_workers={gpus // 2}", "cluster.gpus_per_worker=2", f"cluster.num_engines={gpus}")
+               f"cluster.num_workers={gpus // 2}", "cluster.gpus_per_worker=2", f"cluster.num_engines={gpus}",
+               "algorithm.mini_batch_size=null")  # one update a step: the profile's 12 divides 24 mazes only
     assert training_gpus(cfg) == gpus
     assert (len(kept) == mazes) == (not batch_problems(cfg)), (mazes, samples, gpus, len(kept))
 
@@ -98,7 +99,7 @@ def test_the_old_batch_of_16_loses_a_maze_every_step_and_is_refused(tmp_path):
                            cfg=SimpleNamespace(generator=SimpleNamespace(n_samples_per_prompt=8)))
     assert len(RayPPOTrainer._remove_tail_data(host, list(range(16)))) == 15
     with pytest.raises(SkyRLRejected, match=r"rollout.train_batch_size=16.*multiple of 3"):
-        skyrl_config(load(HYPERPOD, tmp_path, "rollout.train_batch_size=16"))
+        skyrl_config(load(HYPERPOD, tmp_path, "rollout.train_batch_size=16", "algorithm.mini_batch_size=8"))
 
 
 def trainer_cli(tmp_path, *args):
@@ -118,10 +119,11 @@ def test_dry_run_is_validated_by_skyrl(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("algorithm.micro_batch_size=5", "should be divisible by micro_train_batch_size_per_gpu 5"),
-    ("rollout.train_batch_size=16", "rollout.train_batch_size=16: 16 mazes x 8 samples do not split over 6 GPUs"),
+    ("rollout.train_batch_size=16 algorithm.mini_batch_size=8",
+     "rollout.train_batch_size=16: 16 mazes x 8 samples do not split over 6 GPUs"),
 ])
 def test_a_profile_skyrl_rejects_fails_at_dry_run_in_one_line(tmp_path, override, message):
-    proc = trainer_cli(tmp_path, "--dry-run", override)
+    proc = trainer_cli(tmp_path, "--dry-run", *override.split())
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
