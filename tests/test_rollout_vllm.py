@@ -66,11 +66,13 @@ def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_loc
 
 
 def test_a_grpo_run_rolls_out_through_vllm(tmp_path):
-    from test_trainer import MINIMAL  # the 2-step run the trainer tests use
+    # The 2-step run the trainer tests use, on the learning test's 5x5 mazes: that warm start (300 SFT mazes) answers
+    # in format, so a group's sampled episodes can earn different rewards. MINIMAL's 12-maze warm start answers none.
+    from test_trainer import LEARN, MINIMAL
 
     env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "services.trainer", *MINIMAL, "run_id=vllm-rollout", "rollout.engine=vllm",
-                           "schedule.total_steps=2", "rollout.n_samples_per_prompt=4", "rollout.vllm_kv_cache_bytes=268435456"],
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", *MINIMAL, *LEARN, "run_id=vllm-rollout",
+                           "rollout.engine=vllm", "schedule.total_steps=2", "rollout.n_samples_per_prompt=4", "rollout.vllm_kv_cache_bytes=268435456"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "runs" / "vllm-rollout" / "metrics.jsonl").read_text().splitlines()]
@@ -78,4 +80,5 @@ def test_a_grpo_run_rolls_out_through_vllm(tmp_path):
     assert all(m["rollout/errors"] == 0 for m in metrics), metrics
     assert all(m["throughput/rollout_tokens_per_s"] > 0 for m in metrics)
     # Sampled rollouts differ within a maze's group, so the steps train: not one group of identical replies.
+    assert all(m["train/parse_failures"] < m["train/samples"] for m in metrics), metrics  # it answers moves
     assert all(m["train/active_samples"] > 0 for m in metrics) and sum(m["policy/updates"] for m in metrics) > 0, metrics
