@@ -336,6 +336,10 @@ def parse_config(tree: dict) -> RunConfig:
     if cfg.backend == "skyrl" and rollout.strategy != "sample":
         raise ConfigError(f"config error: rollout.strategy = {rollout.strategy!r} runs on the local backend only; SkyRL "
                           "samples n_samples_per_prompt episodes per maze: use rollout.strategy=sample with backend=skyrl")
+    if rollout.engine == "vllm" and rollout.strategy == "greedy_branch":
+        raise ConfigError("config error: rollout.strategy = 'greedy_branch' scores each turn's other replies with the "
+                          "in-process engine, which rollout.engine = 'vllm' does not offer: use rollout.engine=transformers, "
+                          "or rollout.strategy=sample algorithm.advantage_estimator=grpo with vLLM")
     if cfg.backend == "skyrl" and algo.loss_reduction == "token_mean_signal":
         raise ConfigError("config error: algorithm.loss_reduction = 'token_mean_signal' is the local backend's own; "
                           "SkyRL knows token_mean and sequence_mean")

@@ -138,6 +138,12 @@ def test_turn_level_estimators_are_refused_on_the_skyrl_backend(estimator):
         load_config(None, ["backend=skyrl", f"algorithm.advantage_estimator={estimator}"], environ={})
 
 
+def test_greedy_branch_needs_the_engine_that_scores_replies():
+    with pytest.raises(ConfigError, match="use rollout.engine=transformers"):
+        load_config(None, ["rollout.engine=vllm", "rollout.strategy=greedy_branch"], environ={})
+    assert load_config(None, ["rollout.engine=vllm", "rollout.strategy=sample"], environ={}).rollout.engine == "vllm"
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="no config file"):
         load_config(tmp_path / "missing.yaml", environ={})
