@@ -40,8 +40,9 @@ MINIMAL = [
     "schedule.total_steps=2",
     "schedule.eval_interval=1", "schedule.ckpt_interval=1", "schedule.hf_save_interval=1",
     "lora.rank=4", "lora.alpha=8", "algorithm.lr=0.01", "rollout.temperature=1.0",
-    # GiGPO and one optimizer step per maze group: the states travel from the Ray workers, resume stays exact
-    "algorithm.advantage_estimator=gigpo", "algorithm.mini_batch_size=1",
+    # Sampled groups, GiGPO and one optimizer step per maze group: the states travel from the Ray workers, resume
+    # stays exact (greedy_branch runs in its own test)
+    "rollout.strategy=sample", "algorithm.advantage_estimator=gigpo", "algorithm.mini_batch_size=1",
 ]
 
 
@@ -208,6 +209,21 @@ def trained(tmp_path_factory):
     proc = _train(shared, "full")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return shared, proc
+
+
+@pytest.mark.slow
+def test_greedy_branch_steps_replay_changed_decisions_and_train(trained):
+    """greedy_branch rollouts: each maze's greedy anchor, then at most rollout.branch_turns branches per maze that
+    change one of its decisions and play on greedily; branches that end otherwise than their anchor train."""
+    shared, _ = trained
+    proc = _train(shared, "greedy-branch", extra=[
+        "rollout.strategy=greedy_branch", "algorithm.advantage_estimator=grpo", "rollout.branch_turns=2",
+        "rollout.branch_min_prob=0", "rollout.branch_step_back=false", "rollout.eval_samples=0"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (shared / "runs" / "greedy-branch" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < m["train/branches"] <= 2 * 2 for m in metrics), metrics  # 2 mazes a step, 2 branched turns each
+    assert all(m["rollout/errors"] == 0 for m in metrics)
+    assert sum(m["policy/updates"] for m in metrics) > 0 and any(m["train/active_samples"] > 0 for m in metrics), metrics
 
 
 @pytest.mark.slow
@@ -502,9 +518,11 @@ def test_settings_that_cannot_train_are_refused_at_start_up(tmp_path):
         return str(error.value)
 
     for estimator in ("grpo", "gigpo", "branch"):
-        assert "rollout.n_samples_per_prompt = 1" in refused("rollout.n_samples_per_prompt=1",
+        assert "rollout.n_samples_per_prompt = 1" in refused("rollout.n_samples_per_prompt=1", "rollout.strategy=sample",
                                                              f"algorithm.advantage_estimator={estimator}")
-    assert "rollout.temperature = 0" in refused("rollout.temperature=0")
+    assert "rollout.temperature = 0" in refused("rollout.temperature=0", "rollout.strategy=sample")
+    assert "use algorithm.advantage_estimator=grpo" in refused("rollout.strategy=greedy_branch",
+                                                               "algorithm.advantage_estimator=branch")
     assert "env.max_turns = 12 is below the 13 actions" in refused("env.max_turns=12")
     check_trainable(load_config(None, ["env.max_turns=12", "env.reward=task_progress"], environ={}))
     # Through the trainer's command: one line, the fix, a non-zero exit, before anything is built.
