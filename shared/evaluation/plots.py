@@ -35,15 +35,16 @@ def plot_solve_rate(path: Path, steps: list[int], rates: list[float], ceiling: f
     ax.set_ylim(0, 100)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=7)
+    ax.legend(loc="upper right", fontsize=7, framealpha=0.9)  # above the scores, which sit below the ceilings
     if training:
         right = axes[0][1]
-        right.plot(training["steps"], [100 * r for r in training["rates"]], color="tab:purple", alpha=0.35,
-                   label="per step")
         window = max(1, len(training["rates"]) // 20)
-        smooth = [100 * sum(training["rates"][max(0, i - window + 1): i + 1]) / len(training["rates"][max(0, i - window + 1): i + 1])
-                  for i in range(len(training["rates"]))]
-        right.plot(training["steps"], smooth, color="tab:purple", label=f"moving mean of {window}")
+        right.plot(training["steps"], [100 * r for r in training["rates"]], color="tab:purple",
+                   alpha=0.35 if window > 1 else 1.0, label="per step")
+        if window > 1:  # a short run is drawn step by step
+            smooth = [100 * sum(training["rates"][max(0, i - window + 1): i + 1]) / len(training["rates"][max(0, i - window + 1): i + 1])
+                      for i in range(len(training["rates"]))]
+            right.plot(training["steps"], smooth, color="tab:purple", label=f"moving mean of {window}")
         right.set_xlabel("GRPO step")
         right.set_ylabel("solved (%)")
         right.set_ylim(0, 100)
