@@ -53,27 +53,24 @@ $(SKYRL_STAMP): pyproject.toml | $(STAMP)
 
 skyrl-env: $(SKYRL_STAMP) ## Create .venv-skyrl (Python 3.12): SkyRL's own code on CPU, for tests/skyrl_checks (idempotent)
 
-system-deps: ## Debian packages the tests drive for real (prometheus, chromium, docker-compose); skipped when present
-	@if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null || ! command -v docker-compose >/dev/null; then \
+SYSTEM_TOOLS := prometheus chromium docker-compose dockerd debootstrap
+system-deps: ## Debian packages the tests drive for real (prometheus, chromium, docker.io, docker-compose, debootstrap); skipped when present
+	@missing=""; for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus chromium docker-compose; \
-	  else echo "note: prometheus/chromium/docker-compose are missing and this is not root: their tests will be skipped"; fi; \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	      prometheus chromium docker-compose docker.io debootstrap; \
+	  else echo "note: some of $(SYSTEM_TOOLS) are missing and this is not root: their tests will be skipped"; fi; \
 	fi
-
-# Where make test can install every dependency itself (root with apt), a skipped test is a missing install step.
-REQUIRE_ALL := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && echo 1)
 
 lint: setup ## Ruff over the code
 	$(PY) -m ruff check shared services tests bench docker envs
 
-test-fast: setup ## The quick loop: lint, then the unit tests that start no engine, service or container (a few minutes)
-	$(PY) -m ruff check shared services tests bench docker envs
-	$(PY) -m pytest -m "not slow" -q $(ARGS)
+test-fast: ## The quick loop: lint, then the tests that start no engine, service or container, on two workers
+	$(PYTHON) tests/suite.py --fast -- $(ARGS)
 
-test: setup skyrl-env vllm-env system-deps ## Lint, then the test suite, then SkyRL's code against ours (installs what it needs first)
-	$(PY) -m ruff check shared services tests bench docker envs
-	MAZE_GRPO_REQUIRE_ALL_TESTS=$(REQUIRE_ALL) bash docker/with-engine.sh $(PY) -m pytest --durations=15 $(ARGS)
-	MAZE_GRPO_REQUIRE_ALL_TESTS=$(REQUIRE_ALL) $(SKYRL_PY) -m pytest tests/skyrl_checks $(ARGS)
+test: ## Installs what it needs, then lint and every test, installs and test phases side by side (tests/suite.py)
+	$(PYTHON) tests/suite.py -- $(ARGS)
 
 tiny-model: setup ## Build the tiny Qwen3-VL into $SHARED_DIR/models/tiny-qwen3vl
 	$(PY) -m shared.models.tiny --config $(CONFIG) $(ARGS)

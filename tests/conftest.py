@@ -35,10 +35,25 @@ SLOW_MODULES = {"test_containers_e2e", "test_rollout_vllm", "test_server_vllm", 
                 "test_evaluator", "test_bad_input", "test_skyrl_backend"}
 
 
+# Modules that need an engine beside the main venv: `make test` runs them in a later phase (tests/suite.py), once
+# .venv-vllm is installed and the images are built.
+ENGINE_MODULES = {"test_rollout_vllm": "vllm", "test_server_vllm": "vllm", "test_containers_e2e": "docker"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES or "skyrl_checks" in str(item.fspath):
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in SLOW_MODULES or "skyrl_checks" in str(item.fspath):
             item.add_marker(pytest.mark.slow)
+        if module in ENGINE_MODULES:
+            item.add_marker(getattr(pytest.mark, ENGINE_MODULES[module]))
+        # Under two workers (`make test`), tests sharing a module-scoped fixture (a trained run, a started server)
+        # stay on one worker, so it is built once; the rest spread freely.
+        shared = sorted(name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+                        if defs and defs[-1].scope == "module")
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{module}:{','.join(shared)}"))
 
 
 def pytest_runtest_logreport(report):

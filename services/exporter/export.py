@@ -82,7 +82,12 @@ def validate_adapter(folder: Path, cfg) -> dict:
     server's max rank."""
     max_lora_rank = cfg.server.max_lora_rank
     for name in ADAPTER_FILES:
-        if not (folder / name).is_file():
+        path = folder / name
+        # A link would upload whatever it points at, inside the run or not: exports hold their files themselves.
+        if path.is_symlink() or not path.resolve().is_relative_to(folder.resolve()):
+            raise InvalidAdapter(f"{path} is a symbolic link (to {path.resolve()}): an export must hold its own "
+                                 "files; refused, nothing uploaded")
+        if not path.is_file():
             raise InvalidAdapter(f"{folder} lacks {name}")
     try:
         config = json.loads((folder / "adapter_config.json").read_text())

@@ -196,6 +196,7 @@ class MazeServer:
         from botocore.exceptions import BotoCoreError, ClientError
 
         from shared.storage.adapters import AdapterChanging, AdapterNotFound
+        from shared.storage.manifest import ManifestError
 
         if self.store is None:
             raise RequestError(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
@@ -207,6 +208,8 @@ class MazeServer:
             raise RequestError(404, str(exc), "not_found_error", param="model", code="model_not_found") from None
         except AdapterChanging as exc:
             raise RequestError(503, str(exc), "server_error") from None
+        except ManifestError as exc:  # a manifest naming files outside its folder, or not a manifest at all
+            raise RequestError(502, f"adapter {adapter_id!r} refused: {exc}", "server_error", param="model") from None
         except (BotoCoreError, ClientError) as exc:
             raise RequestError(503, f"the adapter store (S3) did not answer for {adapter_id!r}: {exc}; try again",
                                "server_error") from None

@@ -35,6 +35,7 @@ from services.server.request_rules import (
 )
 from shared.config import from_environment
 from shared.storage.adapters import AdapterNotFound, AdapterStore
+from shared.storage.manifest import ManifestError
 
 
 def _answer(exc: RequestError) -> JSONResponse:
@@ -99,6 +100,8 @@ class MazeIngress(OpenAiIngress):
             return await asyncio.get_running_loop().run_in_executor(None, self.store.manifest, adapter_id)
         except AdapterNotFound as exc:
             raise RequestError(404, str(exc), "not_found_error", param="model", code="model_not_found") from None
+        except ManifestError as exc:  # a manifest naming files outside its folder, or not a manifest at all
+            raise RequestError(502, f"adapter {adapter_id!r} refused: {exc}", "server_error", param="model") from None
 
     def cap_tokens(self, body) -> None:
         """Caps the reply length at server.max_new_tokens (vLLM reads max_completion_tokens first)."""

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from shared.storage.ids import check_adapter_id
-from shared.storage.manifest import MANIFEST, ManifestError, verify_manifest
+from shared.storage.manifest import MANIFEST, ManifestError, check_file_names, verify_manifest
 from shared.storage.s3 import s3_client, split_s3_uri
 
 
@@ -55,7 +55,11 @@ class AdapterStore:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NoSuchBucket"):
                 raise AdapterNotFound(f"adapter {adapter_id!r} not found in s3://{self.bucket}/{self.prefix}/") from None
             raise
-        return json.loads(body)
+        try:
+            manifest = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"adapter {adapter_id!r}: its manifest.json in S3 does not parse ({exc})") from None
+        return check_file_names(manifest, f"adapter {adapter_id!r} in s3://{self.bucket}/{self.prefix}/", nested=False)
 
     def list(self) -> list[str]:
         """Returns the ids of adapters that have a manifest (complete ones)."""

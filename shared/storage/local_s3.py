@@ -56,19 +56,48 @@ def state_file(shared_dir: Path) -> Path:
     return shared_dir / "s3" / "endpoint.json"
 
 
+def is_our_server(pid: int, endpoint_url: str) -> bool:
+    """Returns True when process `pid` is the moto S3 server this module starts, on the recorded port.
+
+    A recorded pid alone means nothing after a reboot or a crash: it may have been handed to any other process.
+    """
+    try:
+        args = subprocess.run(["ps", "-o", "args=", "-p", str(int(pid))], capture_output=True, text=True,
+                              timeout=10).stdout.split()
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return False
+    if "moto.server" not in args or "-p" not in args:
+        return False
+    flag = args.index("-p")
+    return args[flag + 1 : flag + 2] == [endpoint_url.rsplit(":", 1)[-1]]
+
+
+def read_state(path: Path) -> dict | None:
+    """Returns the recorded endpoint, or None (with the file moved aside) when it is not one this module wrote."""
+    try:
+        state = json.loads(path.read_text())
+        if isinstance(state, dict) and isinstance(state.get("pid"), int) and isinstance(state.get("endpoint_url"), str):
+            return state
+    except (OSError, ValueError):
+        pass
+    path.replace(path.with_suffix(".unreadable"))
+    return None
+
+
 def running_endpoint(shared_dir: Path) -> dict | None:
-    """Returns the recorded local endpoint if its process is alive and answering, else None."""
+    """Returns the recorded local endpoint if its process is alive, is ours and answers, else None."""
     path = state_file(shared_dir)
     if not path.exists():
         return None
-    state = json.loads(path.read_text())
-    if state.get("host") != socket.gethostname():
+    state = read_state(path)
+    if state is None or state.get("host") != socket.gethostname():
         return None  # another host's loopback: not reachable from here, and its process id means nothing here
+    if not is_our_server(state["pid"], state["endpoint_url"]):
+        return None
     try:
-        os.kill(state["pid"], 0)
         httpx.get(state["endpoint_url"], timeout=2.0)
         return state
-    except (OSError, httpx.HTTPError):
+    except httpx.HTTPError:
         return None
 
 
@@ -90,11 +119,15 @@ def down(shared_dir: Path) -> bool:
     path = state_file(shared_dir)
     if not path.exists():
         return False
-    state = json.loads(path.read_text())
+    state = read_state(path)
+    if state is None:
+        return False
     if state.get("host") != socket.gethostname():
         raise RuntimeError(f"the local S3 endpoint in {path} was started on host {state.get('host')!r}: "
                            "stop it there (make s3-down)")
     path.unlink()
+    if not is_our_server(state["pid"], state["endpoint_url"]):
+        return False  # gone (a reboot): the pid is someone else's now, and is left alone
     try:
         os.killpg(state["pid"], signal.SIGTERM)
         return True

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from pathlib import Path
 
 from shared.storage.files import atomic_write_json
 
 MANIFEST = "manifest.json"
+# One component of a file name a manifest may list: letters, digits, '.', '_', '-' (never '.' or '..' alone).
+_NAME_PART = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 class ManifestError(ValueError):
@@ -49,17 +52,37 @@ def write_manifest(folder: str | Path, extra: dict | None = None) -> dict:
     return manifest
 
 
+def check_file_names(manifest: dict, where: str, nested: bool = True) -> dict:
+    """Returns the manifest when every file it lists is a plain relative name inside its folder; else ManifestError.
+
+    Checked before any file is read or downloaded: a manifest is input (anyone who can write to the bucket or the
+    volume writes it), and a name like `../../x` or `/etc/x` would reach outside the folder. `nested=False` (an
+    adapter in S3, whose layout is flat) allows no `/` at all.
+    """
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise ManifestError(f"{where}: the manifest has no 'files' object")
+    for name in files:
+        parts = name.split("/") if nested else [name]
+        if not all(_NAME_PART.fullmatch(part) and part not in (".", "..") for part in parts) or name == MANIFEST:
+            raise ManifestError(f"{where}: the manifest lists {name[:80]!r}, which is not a plain file name inside "
+                                "its folder (letters, digits, '.', '_', '-'; no '..', no absolute path): refused, "
+                                "nothing was read or downloaded")
+        if not isinstance(files[name], dict):
+            raise ManifestError(f"{where}: the manifest's entry for {name!r} is not an object with sha256 and size")
+    return manifest
+
+
 def read_manifest(folder: str | Path) -> dict:
-    """Returns a folder's manifest; ManifestError if it is missing or unreadable."""
+    """Returns a folder's manifest; ManifestError if it is missing, unreadable, or names files outside the folder."""
     path = Path(folder) / MANIFEST
     if not path.exists():
         raise ManifestError(f"{folder} has no {MANIFEST}: it is incomplete (a writer stopped before finishing)")
     try:
         manifest = json.loads(path.read_text())
-        manifest["files"].items()
-    except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path} is unreadable ({exc}); delete the folder and write it again") from None
-    return manifest
+    return check_file_names(manifest, str(path))
 
 
 def verify_manifest(folder: str | Path) -> dict:
@@ -70,6 +93,9 @@ def verify_manifest(folder: str | Path) -> dict:
         raise ManifestError(f"{folder}: manifest lists no files")
     for name, meta in manifest["files"].items():
         path = folder / name
+        if path.is_symlink():
+            raise ManifestError(f"{folder}: {name} is a symbolic link: a folder holds its files themselves, never "
+                                "links to files elsewhere (refused)")
         if not path.is_file():
             raise ManifestError(f"{folder}: {name} is listed in the manifest but missing")
         if path.stat().st_size != meta["size"]:
