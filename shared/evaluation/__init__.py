@@ -57,6 +57,7 @@ def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: s
         "parse_failures": sum(e.parse_failures for e in episodes),
         "mean_turns": sum(turns) / max(total, 1),
         "errors": sum(e.error is not None for e in episodes),
+        "first_error": next((e.error[:300] for e in episodes if e.error), None),
         "by_optimal_actions": {str(k): {"solved": v[0], "total": v[1]} for k, v in sorted(by_length.items())},
         "failures": dict(sorted(failures.items())),  # why unsolved mazes failed: see failure_kind
         "wrong_branch_cells": {str(k): v for k, v in sorted(branch_cells.items())},

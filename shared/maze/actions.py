@@ -11,10 +11,10 @@ from shared.maze.core import DIRECTION_NAMES
 Action = tuple[str, int | str]
 ActionStyle = Literal["tuple", "keyword"]
 
-_TAG = r"<{0}>(.*?)</{0}>"
-_TUPLE = re.compile(
-    r"""\(\s*[`'"]?\s*(move|stop)\s*[`'"]?\s*,\s*[`'"]?\s*([0-3]|stop)\s*[`'"]?\s*\)""", re.IGNORECASE
-)
+# Every pattern here runs in time linear in the reply: no two repeats can share the same characters (an optional
+# quote swallows its own trailing spaces), so a reply built to backtrack (`(` and 4,000 spaces) fails at once.
+_Q = r"""(?:[`'"]\s*)?"""
+_TUPLE = re.compile(rf"""\(\s*{_Q}(move|stop)\s*{_Q},\s*{_Q}([0-3]|stop)\s*{_Q}\)""", re.IGNORECASE)
 _KEYWORDS = {name: d for d, name in DIRECTION_NAMES.items()}
 _KEYWORD = re.compile(r"\b(right|up|left|down|stop)\b", re.IGNORECASE)
 FORMAT_TAGS = ("observation", "justification", "action")
@@ -24,9 +24,14 @@ _BARE_OPENING = re.compile(r"""\(\s*(\w+)\s*,""")
 
 
 def tag_content(text: str, tag: str) -> str | None:
-    """Returns the stripped content of the last `<tag>...</tag>` in text, or None if there is none."""
-    found = re.findall(_TAG.format(tag), text, flags=re.DOTALL | re.IGNORECASE)
-    return found[-1].strip() if found else None
+    """Returns the stripped content of the last `<tag>...</tag>` in text, or None if there is none.
+
+    Two reverse searches (linear): the last closing tag, then the opening tag nearest before it.
+    """
+    lower = text.lower()
+    close = lower.rfind(f"</{tag}>")
+    opening = lower.rfind(f"<{tag}>", 0, close) if close >= 0 else -1
+    return text[opening + len(tag) + 2 : close].strip() if opening >= 0 else None
 
 
 def parse_action(text: str, style: ActionStyle = "tuple") -> Action | None:
@@ -58,10 +63,13 @@ def parse_action(text: str, style: ActionStyle = "tuple") -> Action | None:
     return None
 
 
-def _bracketed(text: str, start: int) -> str | None:
-    """Returns text[start:] up to the bracket that closes the `(` at `start` (quotes respected), or None."""
+def _bracketed(text: str, start: int, limit: int = 256) -> str | None:
+    """Returns text[start:] up to the bracket that closes the `(` at `start` (quotes respected), or None.
+
+    An action tuple is short: the scan stops after `limit` characters, so many openings cost linear time."""
     depth, quote, i = 0, None, start
-    while i < len(text):
+    end = min(len(text), start + limit)
+    while i < end:
         char = text[i]
         if quote:
             if char == "\\":
