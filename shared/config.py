@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No setting is NaN or infinite: `lr=inf` would train NaN weights and `temperature=nan` play greedily unnoticed.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -80,7 +81,7 @@ class AlgorithmConfig(Section):
     advantage_estimator: Literal["grpo", "gigpo", "branch"] = Field(
         "grpo", description="gigpo adds a step-level advantage over turns taken from the same state; branch "
         "splits GRPO's advantage over the turns where a group's episodes branch (both local backend only)")
-    step_advantage_weight: float = Field(1.0, ge=0, description="gigpo: weight of the step-level advantage")
+    step_advantage_weight: float = Field(1.0, ge=0, le=100, description="gigpo: weight of the step-level advantage")
     decision_weights: Literal["policy", "uniform"] = Field(
         "policy", description="rollout.strategy=greedy_branch: weigh each compared reply by its probability under the "
         "policy (the expected policy gradient over the replies) or equally (GRPO over them)")
@@ -90,17 +91,17 @@ class AlgorithmConfig(Section):
     branch_key: Literal["turn_state", "state"] = Field(
         "turn_state", description="branch: key a group's values on (turn, maze position) or on the position alone "
         "(an episode that wasted a turn stays comparable with its group)")
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    eps_clip_low: float = Field(0.2, gt=0)
-    eps_clip_high: float = Field(0.2, gt=0)
+    lr: float = Field(1e-6, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    eps_clip_low: float = Field(0.2, gt=0, lt=1)
+    eps_clip_high: float = Field(0.2, gt=0, le=10)
     std_normalize: bool = True
     loss_reduction: Literal["token_mean", "token_mean_signal", "sequence_mean"] = Field(
         "token_mean", description="token_mean and sequence_mean as SkyRL's: over every sample of a mini-batch's maze "
         "groups, zero advantage included; token_mean_signal: over the samples that carry a signal only")
     use_kl_loss: bool = False
-    kl_loss_coef: float = Field(0.001, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    kl_loss_coef: float = Field(0.001, ge=0, le=100)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
     update_epochs: int = Field(1, ge=1)
     mini_batch_size: int | None = Field(
         None, ge=1, description="maze groups per optimizer step (SkyRL's policy_mini_batch_size); null = the whole step")
@@ -110,8 +111,8 @@ class AlgorithmConfig(Section):
 class RolloutConfig(Section):
     train_batch_size: int = Field(8, ge=1, description="maze prompts per step")
     n_samples_per_prompt: int = Field(8, ge=1)
-    temperature: float = Field(0.7, ge=0)
-    eval_temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    temperature: float = Field(0.7, ge=0, le=10)
+    eval_temperature: float = Field(0.0, ge=0, le=10, description="0 = greedy")
     eval_samples: int = Field(8, ge=0, description="the local trainer's sampled eval of warm start and final policy on "
                               "the extended set: samples per maze at rollout.temperature (mean@k, pass@k); 0 or 1: none")
     max_new_tokens: int = Field(24, ge=1)
@@ -158,7 +159,7 @@ class LoraConfig(Section):
 class SftConfig(Section):
     num_mazes: int = Field(3000, ge=1)
     epochs: int = Field(1, ge=1)
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(2e-3, gt=0, le=1)
     batch_size: int = Field(32, ge=1)
     train_fraction_of_turns: float = Field(1.0, gt=0, le=1)
     train_vision: bool = Field(False, description="true: train the vision tower too (on the tiny model that erases "
@@ -207,9 +208,9 @@ class ServerConfig(Section):
     max_images_per_request: int = Field(16, ge=1)
     max_new_tokens: int = Field(64, ge=1)
     max_prompt_tokens: int = Field(8192, ge=16, description="longest prompt accepted, in tokens (images included); longer: 413")
-    max_request_bytes: int = Field(48 * 1024 * 1024, ge=1024, description="largest request body accepted; larger: 413")
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest request body accepted; larger: 413")
     adapter_revalidate_s: float = Field(
-        10.0, ge=0, description="how often a replica re-checks an adapter's S3 manifest (ETag), so a re-pointed alias "
+        10.0, ge=0, le=86400, description="how often a replica re-checks an adapter's S3 manifest (ETag), so a re-pointed alias "
         "is served within this many seconds")
     num_replicas: int = Field(1, ge=1)
     # The vLLM app (`--engine vllm`): only these differ between a GPU cluster and a CPU machine.
@@ -352,6 +353,10 @@ def check_trainable(cfg: RunConfig) -> None:
 
     algo, rollout, env = cfg.algorithm, cfg.rollout, cfg.env
     if rollout.strategy == "greedy_branch":
+        if rollout.branch_turns == 0 and not rollout.branch_step_back:
+            raise ConfigError("config error: rollout.strategy = 'greedy_branch' with rollout.branch_turns = 0 and "
+                              "rollout.branch_step_back = false makes no branch, so no step has a gradient; set "
+                              "rollout.branch_turns >= 1 or rollout.branch_step_back=true")
         if algo.advantage_estimator != "grpo":
             raise ConfigError(f"config error: algorithm.advantage_estimator = {algo.advantage_estimator!r} credits turns "
                               "within sampled groups; rollout.strategy = 'greedy_branch' compares each changed decision "

@@ -166,7 +166,7 @@ class Runner:
                     running.remove(job)
         return 0 if all(job.code == 0 for job in self.plan.values()) else 1
 
-    def stop_background(self) -> None:
+    def stop_all(self) -> None:
         for job in self.plan.values():
             if job.process and job.process.poll() is None:
                 try:
@@ -199,12 +199,17 @@ def main() -> int:
         # Where make test can install every dependency itself, a skipped test is a missing install step.
         env["MAZE_GRPO_REQUIRE_ALL_TESTS"] = "1"
     runner = Runner(jobs(args.fast, args.pytest_args), env)
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)  # CI's stop, or a kill: every job's process group goes with it
     try:
         code = runner.run()
     except KeyboardInterrupt:
         code = 130
     finally:
-        runner.stop_background()
+        runner.stop_all()
     runner.report()
     return code
 

@@ -35,6 +35,7 @@ from services.server.request_rules import (
     parse_chat_request,
     parse_json_body,
     parse_messages,
+    read_body,
     split_model,
 )
 
@@ -111,7 +112,8 @@ class MazeServer:
         self.cfg = RunConfig.model_validate(cfg_dict)
         self.base_id = self.cfg.model.base_model_id
         limits = self.cfg.server
-        self.limits = ChatLimits(limits.max_images_per_request, limits.max_image_bytes, limits.max_prompt_tokens)
+        self.limits = ChatLimits(limits.max_images_per_request, limits.max_image_bytes, limits.max_prompt_tokens,
+                                 keep_images=self.cfg.model.max_images_in_context)
         model, processor = load_model(model_dir, self.cfg.model.dtype)
         # A placeholder adapter (zero delta) makes the model a PeftModel from the start, so real adapters
         # can be loaded and deleted by name; base requests run with adapters disabled.
@@ -125,6 +127,9 @@ class MazeServer:
         # across threads), so a request refused for its size never waits behind a batch being generated.
         self.count_processor = copy.deepcopy(processor)
         self.count_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="count")
+        # Bodies are parsed and their images decoded off the event loop, one at a time: a client sending the largest
+        # accepted request delays the others' parsing by that request's share, never the loop itself.
+        self.parse_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
         self.store = None
         if self.cfg.storage.s3_uri:
             from shared.storage.adapters import AdapterStore
@@ -252,10 +257,9 @@ class MazeServer:
     @api.post("/v1/chat/completions", openapi_extra=CHAT_BODY_SCHEMA)
     async def chat(self, request: Request):
         self._authorize(request)
-        body = parse_chat_request(parse_json_body(await request.body(), self.cfg.server.max_request_bytes))
-        adapter_id = split_model(body.model, self.base_id)
-        messages = parse_messages(body.messages, self.limits)
+        raw = await read_body(request, self.cfg.server.max_request_bytes)
         loop = asyncio.get_running_loop()
+        body, adapter_id, messages = await loop.run_in_executor(self.parse_thread, self._parse, raw)
         prompt_tokens = await loop.run_in_executor(self.count_thread, self._prompt_tokens, messages)
         check_prompt_tokens(prompt_tokens, self.limits)
         adapter_name, fingerprint = (None, "base") if adapter_id is None else await self._adapter(adapter_id)
@@ -276,6 +280,11 @@ class MazeServer:
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(completion.token_ids),
                       "total_tokens": prompt_tokens + len(completion.token_ids)},
         }
+
+    def _parse(self, raw: bytes) -> tuple[ChatRequest, str | None, list[dict]]:
+        """Returns (the validated request, its adapter id or None, its messages with the shown images decoded)."""
+        body = parse_chat_request(parse_json_body(raw, self.cfg.server.max_request_bytes))
+        return body, split_model(body.model, self.base_id), parse_messages(body.messages, self.limits)
 
     def _prompt_tokens(self, messages: list[dict]) -> int:
         """Returns the prompt's length in tokens as the model sees it: the served profile's context policy applied

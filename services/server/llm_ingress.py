@@ -30,6 +30,7 @@ from services.server.request_rules import (
     parse_chat_request,
     parse_json_body,
     parse_messages,
+    read_body,
     split_model,
     validated,
 )
@@ -118,7 +119,8 @@ class MazeIngress(OpenAiIngress):
         asked = "?"
         try:
             check_bearer(request.headers.get("authorization"), self.api_key)
-            payload = parse_json_body(await request.body(), self.limits.get("max_request_bytes", 48 << 20))
+            max_bytes = self.limits.get("max_request_bytes", 16 << 20)
+            payload = parse_json_body(await read_body(request, max_bytes), max_bytes)
             if body_type is ChatCompletionRequest:
                 checked = parse_chat_request(payload, streams=True, penalties=True)
                 parse_messages(checked.messages, self.chat_limits)

@@ -23,6 +23,8 @@ MIN_TEMPERATURE = 0.01
 INT64_MAX = 2**63 - 1
 # No chat request nests deeper than a handful of levels; deeper bodies are refused before they are walked.
 MAX_JSON_DEPTH = 32
+# A 15-turn episode is about 30 content parts: a request with more is refused before any part is read.
+MAX_CONTENT_PARTS = 256
 
 
 class RequestError(Exception):
@@ -72,6 +74,23 @@ def json_depth_exceeds(value, limit: int) -> bool:
     return False
 
 
+async def read_body(request, max_bytes: int) -> bytes:
+    """Returns a request's body, refusing (413) one over max_bytes as soon as its header or its bytes say so: a body
+    that is too large is never read whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(413, f"request body is {declared} bytes; this server accepts at most {max_bytes} "
+                                "(server.max_request_bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestError(413, f"request body is over {max_bytes} bytes; this server accepts at most {max_bytes} "
+                                    "(server.max_request_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def parse_json_body(raw: bytes, max_bytes: int):
     """Returns a request body's JSON; RequestError 413 when it is too large, 400 when it is not JSON or nests too
     deeply to be a chat request."""
@@ -99,6 +118,8 @@ class ChatLimits:
     max_images_per_request: int
     max_image_bytes: int
     max_prompt_tokens: int
+    # Decode only the newest this many images (what the model is shown; older ones are dropped unread). None: all.
+    keep_images: int | None = None
 
 
 def check_bearer(authorization: str | None, api_key: str | None) -> None:
@@ -154,10 +175,17 @@ def split_model(name: str, base_id: str) -> str | None:
 
 
 def parse_messages(messages: list[dict], limits: ChatLimits) -> list[dict]:
-    """Returns messages as the engine takes them (images decoded); RequestError 400 on a bad role, part or image."""
-    from shared.maze.render import decode_data_uri
+    """Returns messages as the engine takes them (images decoded); RequestError 400 on a bad role, part or image.
 
-    clean, images = [], 0
+    Every image is checked (a data URI within the size limit, at most max_images_per_request of them), but only the
+    newest `limits.keep_images` are decoded: the model is never shown the older ones, which are dropped here."""
+    from shared.maze.render import check_data_uri, decode_data_uri
+
+    parts_count = sum(len(m["content"]) if isinstance(m.get("content"), list) else 1 for m in messages)
+    if parts_count > MAX_CONTENT_PARTS:
+        raise RequestError(400, f"the messages hold {parts_count} content parts; this server reads at most "
+                                f"{MAX_CONTENT_PARTS} per request", param="messages")
+    clean, images = [], []  # images: (message index, part index, uri, image number) in request order
     for index, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         param = f"messages.{index}"
@@ -174,23 +202,33 @@ def parse_messages(messages: list[dict], limits: ChatLimits) -> list[dict]:
             if kind == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url":
-                images += 1
-                if images > limits.max_images_per_request:
+                number = len(images) + 1
+                if number > limits.max_images_per_request:
                     raise RequestError(400, f"too many images: at most {limits.max_images_per_request} per request",
                                        param=f"{param}.content")
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
-                    raise RequestError(400, f"image {images}: image_url.url must be a data URI string",
+                    raise RequestError(400, f"image {number}: image_url.url must be a data URI string",
                                        param=f"{param}.content")
                 try:
-                    parts.append({"type": "image", "image": decode_data_uri(url, limits.max_image_bytes)})
+                    check_data_uri(url, limits.max_image_bytes)
                 except ValueError as exc:
-                    raise RequestError(400, f"image {images}: {exc}", param=f"{param}.content") from None
+                    raise RequestError(400, f"image {number}: {exc}", param=f"{param}.content") from None
+                images.append((index, len(parts), url, number))
+                parts.append(None)  # filled below when decoded, dropped otherwise
             else:
                 raise RequestError(400, f"unsupported content part {kind!r}: use text or image_url parts",
                                    param=f"{param}.content")
         clean.append({"role": role, "content": parts})
+    keep = len(images) if limits.keep_images is None else min(limits.keep_images, len(images))
+    for index, position, url, number in images[len(images) - keep :]:
+        try:
+            clean[index]["content"][position] = {"type": "image", "image": decode_data_uri(url, limits.max_image_bytes)}
+        except ValueError as exc:
+            raise RequestError(400, f"image {number}: {exc}", param=f"messages.{index}.content") from None
+    for message in clean:
+        message["content"] = [part for part in message["content"] if part is not None]
     prompt_chars = sum(len(p["text"]) for m in clean for p in m["content"] if p["type"] == "text")
     # A cheap bound before any tokenizer runs: no prompt this long fits the token limit in practice.
     if prompt_chars > 16 * limits.max_prompt_tokens:

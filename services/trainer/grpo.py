@@ -24,7 +24,13 @@ import ray
 import torch
 from tqdm import tqdm
 
-from services.trainer.checkpoints import checkpoint_settings, load_checkpoint, save_adapter, save_checkpoint
+from services.trainer.checkpoints import (
+    checkpoint_base,
+    checkpoint_settings,
+    load_checkpoint,
+    save_adapter,
+    save_checkpoint,
+)
 from services.trainer.report import run_summary, write_run_report
 from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy
 from services.trainer.sft import ensure_sft
@@ -49,7 +55,7 @@ from shared.models.loading import MergedCopy
 from shared.models.training import TrainingSample, collate, token_logprobs
 from shared.storage.files import append_jsonl, atomic_write_text, read_jsonl, staged_dir
 from shared.storage.manifest import model_identity
-from shared.storage.volume import SharedVolume, latest_complete_step
+from shared.storage.volume import SharedVolume, latest_complete_step, step_dirs
 
 # ---- the math ---------------------------------------------------------------------------------------
 
@@ -226,6 +232,10 @@ def update_policy(model, optimizer, params, processor, groups: list[SignalGroup]
             grad_norm_sum += grad_norm
             optimizer.step()
             updates += 1
+            if not all(bool(torch.isfinite(p).all()) for p in params):
+                raise TrainingStopped(f"step {step}: the weights are not finite after an optimizer step (algorithm.lr = "
+                                      f"{algo.lr:g}); stopped before anything of this step was saved, so the last "
+                                      "checkpoint and export hold finite weights. Lower algorithm.lr.")
     model.eval()
     tokens = sum(sum(s.response_mask) for s in trained) * algo.update_epochs
     return {"policy/entropy": entropy_sum / max(tokens, 1), "policy/clip_fraction": clipped / max(tokens, 1),
@@ -458,10 +468,22 @@ class Trainer:
         since). Other settings than the checkpoint's stop the run unless allow_changed_settings says go on."""
         cfg = self.cfg
         if cfg.schedule.resume_mode != "latest":
+            trained = read_jsonl(self.volume.metrics(cfg.run_id))
+            if trained or step_dirs(self.volume.ckpts(cfg.run_id)):
+                raise ConfigError(
+                    f"config error: schedule.resume_mode = 'none' would start run {cfg.run_id!r} over and replace its "
+                    f"{len(trained)} steps of metrics and its checkpoints in {self.run_dir}: nothing was changed; use "
+                    "a new run_id, or move that folder aside first")
             return 0, []
         found = latest_complete_step(self.volume.ckpts(cfg.run_id), warn=lambda m: self.log(f"warning: {m}"))
         if not found:
             return 0, []
+        base = checkpoint_base(found[1])
+        if base is not None and base != self.base_identity:
+            raise ConfigError(
+                f"config error: run {cfg.run_id!r} was trained to {found[1].name} from the warm start {base}, but "
+                f"model.path ({cfg.model.path}) now holds {self.base_identity}: the warm start was rebuilt; resuming "
+                "would put this run's adapter on other weights. Start a new run (run_id=<new id>)")
         recorded = checkpoint_settings(found[1])
         changes = (["(the checkpoint records no settings)"] if recorded is None
                    else changed_settings(recorded, self.settings))
@@ -626,7 +648,7 @@ class Trainer:
                 save_adapter(self.model, tmp)
         if step % sched.ckpt_interval == 0 or final:
             save_checkpoint(self.volume, cfg.run_id, step, self.model, self.optimizer, self.stream, self.settings,
-                            keep=sched.max_ckpts_to_keep)
+                            keep=sched.max_ckpts_to_keep, base_identity=self.base_identity)
         append_jsonl(self.volume.metrics(cfg.run_id), metrics)
 
     # ---- the end of a run ---------------------------------------------------------------------------

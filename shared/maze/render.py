@@ -54,13 +54,19 @@ def data_uri(image: np.ndarray) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
-def decode_data_uri(uri: str, max_bytes: int = 4 * 1024 * 1024) -> Image.Image:
-    """Returns the RGB image inside a base64 data URI; raises ValueError naming what is wrong."""
-    if not isinstance(uri, str) or not uri.startswith("data:image/") or ";base64," not in uri:
+def check_data_uri(uri: str, max_bytes: int = 4 * 1024 * 1024) -> str:
+    """Returns the base64 payload of an image data URI within max_bytes, without decoding it; ValueError otherwise."""
+    if not isinstance(uri, str) or not uri.startswith("data:image/") or ";base64," not in uri[:64]:
         raise ValueError("image_url must be a data URI like data:image/png;base64,...")
     payload = uri.split(";base64,", 1)[1]
     if len(payload) * 3 // 4 > max_bytes:
         raise ValueError(f"image is larger than the {max_bytes} byte limit")
+    return payload
+
+
+def decode_data_uri(uri: str, max_bytes: int = 4 * 1024 * 1024) -> Image.Image:
+    """Returns the RGB image inside a base64 data URI; raises ValueError naming what is wrong."""
+    payload = check_data_uri(uri, max_bytes)
     try:
         raw = base64.b64decode(payload, validate=True)
         image = Image.open(io.BytesIO(raw))

@@ -28,6 +28,8 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     tokens whose mass reaches top_p) set to 0; the most likely token always stays."""
     ordered, order = probs.sort(dim=-1, descending=True)
     outside = ordered.cumsum(dim=-1) - ordered >= top_p  # the mass before a token already reaches top_p
+    # Kept explicitly: a top_p too small for float32 (1e-300 rounds to 0) would otherwise mask every token.
+    outside[..., 0] = False
     return probs.scatter(-1, order, ordered.masked_fill(outside, 0.0))
 
 
