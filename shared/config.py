@@ -68,6 +68,15 @@ class EnvConfig(Section):
     train_solvable_only: bool = Field(
         False, description="GRPO skips training mazes a perfect agent cannot solve in max_turns (never rewarded)")
 
+    @field_validator("eval_seeds", "extended_eval_seeds")
+    @classmethod
+    def _ordered_range(cls, value: str | None) -> str | None:
+        if value is not None:
+            first, last = (int(part) for part in value.split("-"))
+            if first > last:
+                raise ValueError(f"the range runs backwards: write it first-last, e.g. {last}-{first}")
+        return value
+
     @field_validator("id", "eval_env")
     @classmethod
     def _known_env(cls, value: str) -> str:
@@ -305,8 +314,13 @@ def _describe(error: dict) -> str:
             section = field.annotation if field is not None else section
         allowed = ", ".join(sorted(section.model_fields)) if isinstance(section, type) else "see configs/"
         return f"config error: unknown key {key!r}; allowed keys here: {allowed}"
-    value = "(hidden)" if key in SECRET_KEYS else repr(error.get("input"))
-    return f"config error: {key} = {value} is invalid: {error['msg']}"
+    value = "(hidden)" if key in SECRET_KEYS else _shortened(repr(error.get("input")))
+    return f"config error: {key} = {value} is invalid: {_shortened(error['msg'])}"
+
+
+def _shortened(text: str, limit: int = 160) -> str:
+    """Returns text cut to a readable length: an echoed value can be megabytes (a YAML alias expands)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def parse_config(tree: dict) -> RunConfig:

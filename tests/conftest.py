@@ -95,6 +95,30 @@ def tiny(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
+# A fixed handful of 5x5 mazes (4 moves and stop, corner to corner), whose warm start (300 SFT mazes) answers in
+# format: what the learning test and the vLLM GRPO run start from.
+LEARN = ["env.id=maze_2d/5x5", "env.eval_env=maze_2d/5x5", "env.max_turns=6", "env.eval_seeds=0-7",
+         "env.extended_eval_seeds=null", "env.reward=task_progress", "model.path=sft-5x5", "sft.num_mazes=300",
+         "sft.batch_size=16", "rollout.max_new_tokens=7"]
+
+
+@pytest.fixture(scope="session")
+def warm_start_5x5(tmp_path_factory, worker_id) -> Path:
+    """The `models/` folder holding LEARN's warm start: built once per test run by whichever worker asks first (the
+    others wait on a lock), then copied by each test into its own volume."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    shared = root / "warm-start-5x5"
+    with open(root / "warm-start-5x5.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "models" / "sft-5x5" / "manifest.json").is_file():
+            proc = subprocess.run([sys.executable, "-m", "services.trainer.sft", *LEARN], cwd=REPO, timeout=1800,
+                                  env={**os.environ, "SHARED_DIR": str(shared)}, capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return shared / "models"
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3-compatible HTTP server (moto in server mode) on loopback, for the whole session."""

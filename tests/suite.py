@@ -9,11 +9,13 @@ one count over all the test jobs ('tests: N passed, N failed').
 The graph (what each job waits for):
     venv (make setup) | system (apt: prometheus, chromium, docker) | vllm-env       all three at once
     lint, skyrl-env, images (engine + base image + CPU images)                       once venv (and system) are in
-    tests: the suite without vLLM or Docker, two workers                            once lint and system are done
-    engine-tests: the vLLM and container tests, two workers                        once tests, vllm-env, images are
-    skyrl-checks: SkyRL's own code against ours                                     once skyrl-env and tests are
-Installs wait on the network and the disk while the tests use the cores; the image build (mostly disk writes) runs
-beside the first test phase.
+    unit-tests: the tests that start no engine, on two workers                      once lint is done
+    tests: the slow ones (Ray, servers, vLLM, trainer runs), one at a time          once unit-tests, vllm-env are
+    container-tests: the stack in real containers (conftest marks them `docker`)   once the images are built
+    skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env is
+Every job starts as soon as what it waits for is done, so the two cores serve two streams: the slow tests, and
+beside them the installs (network, disk), the image build (mostly disk writes), the container and SkyRL tests.
+Two pytest workers pay off only for the light tests: two trainer runs side by side each take twice as long.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LOGS = REPO / ".test-logs"
 PY = ".venv/bin/python"
-# Modules that need .venv-vllm or a Docker engine with the images built: their own phase (conftest marks them).
-ENGINE_MARK = "vllm or docker"
 
 
 @dataclass
@@ -81,10 +81,13 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
         Job("skyrl-env", ["make", "--no-print-directory", "skyrl-env"], ["venv"]),
         Job("engine", engine, ["system"], background=True, ready="engine-ready"),
         Job("images", ["bash", "-c", images], ["venv", "engine"]),
-        pytest_job("tests", PY, ["-m", f"not ({ENGINE_MARK})", *pytest_args], ["lint", "system"], workers=2),
-        pytest_job("engine-tests", PY, ["-m", ENGINE_MARK, *pytest_args], ["tests", "vllm-env", "images"], workers=2),
-        pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args],
-                   ["skyrl-env", "tests"], workers=1),
+        pytest_job("unit-tests", PY, ["-m", "not slow", *pytest_args], ["lint"], workers=2),
+        # One worker: these start Ray, servers and engines, each of which wants both cores.
+        pytest_job("tests", PY, ["-m", "slow and not docker", *pytest_args], ["unit-tests", "system", "vllm-env"],
+                   workers=1),
+        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "unit-tests"], workers=1),
+        pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args], ["skyrl-env"],
+                   workers=1),
     ]
 
 

@@ -65,11 +65,13 @@ def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_loc
         [sampled[3].token_ids, sampled[6].token_ids], "a request's draw depends on its own seed only"
 
 
-def test_a_grpo_run_rolls_out_through_vllm(tmp_path):
+def test_a_grpo_run_rolls_out_through_vllm(warm_start_5x5, tmp_path):
     # The 2-step run the trainer tests use, on the learning test's 5x5 mazes: that warm start (300 SFT mazes) answers
     # in format, so a group's sampled episodes can earn different rewards. MINIMAL's 12-maze warm start answers none.
-    from test_trainer import LEARN, MINIMAL
+    from conftest import LEARN
+    from test_trainer import MINIMAL
 
+    shutil.copytree(warm_start_5x5, tmp_path / "models")
     env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "services.trainer", *MINIMAL, *LEARN, "run_id=vllm-rollout",
                            "rollout.engine=vllm", "schedule.total_steps=2", "rollout.n_samples_per_prompt=4", "rollout.vllm_kv_cache_bytes=268435456"],

@@ -253,3 +253,89 @@ def test_any_clients_history_is_cut_to_the_served_profiles_context(server):
     answers = [r.json() for r in replies]
     assert answers[0]["usage"]["prompt_tokens"] == answers[1]["usage"]["prompt_tokens"]
     assert answers[0]["choices"][0]["message"]["content"] == answers[1]["choices"][0]["message"]["content"]
+
+
+def test_a_planted_manifest_cannot_make_the_server_write_outside_its_cache(server):
+    """Anyone who can write to the bucket could list `../` or absolute names in an adapter's manifest: refused (one
+    line) before any download, and nothing lands outside the adapter cache."""
+    import json
+
+    from shared.storage.s3 import s3_client
+
+    url, cfg, *_ = server
+    client = s3_client(cfg.storage.aws_endpoint_url)
+    bucket, prefix = cfg.storage.s3_uri[5:].split("/", 1)
+    absolute = Path("/tmp/maze-grpo-planted-by-manifest")
+    names = ["adapter_config.json", str(absolute), "../../../planted-by-manifest"]
+    for name in names:
+        client.put_object(Bucket=bucket, Key=f"{prefix}/adapters/planted/{name.lstrip('/')}", Body=b"{}")
+    manifest = {"files": {name: {"sha256": "0" * 64, "size": 2} for name in names}}
+    client.put_object(Bucket=bucket, Key=f"{prefix}/adapters/planted/manifest.json", Body=json.dumps(manifest))
+    response = _post(url, _valid(0, f"{BASE}:planted"))
+    _assert_error(response, 502, "not a plain file name")
+    assert "\n" not in response.json()["error"]["message"]
+    written = [*Path(cfg.shared_path()).rglob("planted-by-manifest"), *([absolute] if absolute.exists() else [])]
+    assert not written, f"the server wrote outside its adapter cache: {written}"
+    assert _post(url, _valid(1)).status_code == 200
+
+
+def test_a_top_p_too_small_to_sample_is_sampled_safely_and_fails_no_neighbour(server):
+    url, *_ = server
+    tiny_p = {**_valid(2), "temperature": 1.0, "top_p": 1e-300, "seed": 3, "max_tokens": 6}
+    greedy = _post(url, {**_valid(2), "max_tokens": 6})
+    neighbours = [{**_valid(i), "temperature": 1.0, "top_p": 1e-300, "seed": i, "max_tokens": 6} for i in range(3)]
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda b: _post(url, b), [tiny_p, *neighbours]))
+    assert [r.status_code for r in replies] == [200] * 4, [r.text[:300] for r in replies]
+    # A nucleus of one token is the most likely token: what greedy decoding says.
+    assert replies[0].json()["choices"][0]["message"]["content"] == greedy.json()["choices"][0]["message"]["content"]
+
+
+def _large_picture_uri(seed: int) -> str:
+    """A 4096 x 4096 PNG (16.7 Mpx, the largest picture accepted) of a few KB: costly to decode, cheap to send."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4096, 4096), (seed % 256, 40, 90)).save(buffer, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_the_largest_accepted_requests_do_not_hold_a_small_neighbour(server):
+    """Bound: while four clients each send the largest request this server accepts (3 pictures, the per-request cap,
+    two of them 16.7 Mpx, the largest accepted), the health check answers within 2 s and a small chat request within
+    20 s (alone: about 1 s). Only the newest picture is decoded (the model is shown one), off the event loop."""
+    url, *_ = server
+    newest = _valid(5)["messages"][0]["content"][1]
+    large = {"model": BASE, "max_tokens": 6, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "9x9 maze"}, *[{"type": "image_url", "image_url": {"url": _large_picture_uri(i)}}
+                                               for i in range(2)], newest]}]}
+    small = _valid(4)
+    assert _post(url, small).status_code == 200  # warm
+
+    def timed(call):
+        started = time.perf_counter()
+        response = call()
+        return response.status_code, time.perf_counter() - started
+
+    with ThreadPoolExecutor(6) as pool:
+        bigs = [pool.submit(lambda: _post(url, large)) for _ in range(4)]
+        time.sleep(0.3)
+        health = pool.submit(timed, lambda: httpx.get(f"{url}/healthz", timeout=60))
+        chat = pool.submit(timed, lambda: _post(url, small))
+        health, chat = health.result(), chat.result()
+        statuses = [b.result().status_code for b in bigs]
+    assert statuses == [200] * 4, statuses
+    assert health[0] == 200 and health[1] < 2.0, f"health check held {health[1]:.1f} s"
+    assert chat[0] == 200 and chat[1] < 20.0, f"small request held {chat[1]:.1f} s"
+
+
+def test_a_request_with_more_parts_than_any_conversation_is_refused_unread(server):
+    url, *_ = server
+    many = {"model": BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 40_000}]}
+    started = time.perf_counter()
+    response = _post(url, many)
+    _assert_error(response, 400, "content parts")
+    assert time.perf_counter() - started < 5.0

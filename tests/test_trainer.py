@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import LEARN
 from safetensors.torch import load_file
 
 from services.trainer.grpo import (
@@ -348,11 +349,9 @@ def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained):
     run = shared / "runs" / "changed"
     shutil.copytree(shared / "runs" / "full", run)
     history = (run / "config_history.jsonl").read_text().splitlines()
-    proc = _train(shared, "changed", extra=["algorithm.lr=1.0", "rollout.n_samples_per_prompt=4"])
-    assert proc.returncode != 0
-    line = proc.stderr.strip().splitlines()[-1]
-    assert "algorithm.lr (0.01 -> 1.0)" in line and "rollout.n_samples_per_prompt (2 -> 4)" in line, line
-    assert "run_id=<new id>" in line and "--allow-changed-settings" in line
+    _refused(shared, "changed", "algorithm.lr=1.0", "rollout.n_samples_per_prompt=4",
+             words=("algorithm.lr (0.01 -> 1.0)", "rollout.n_samples_per_prompt (2 -> 4)", "run_id=<new id>",
+                    "--allow-changed-settings"))
     assert (run / "config_history.jsonl").read_text().splitlines() == history, "a refused start records nothing"
     # On purpose: the run goes on with the new settings, and its history says what changed when.
     proc = _train(shared, "changed", extra=["algorithm.lr=1.0", "rollout.n_samples_per_prompt=4",
@@ -370,6 +369,90 @@ def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained):
     shutil.rmtree(fresh / "ckpts")
     proc = _train(shared, "changed-evals", extra=["rollout.eval_temperature=0.5"])
     assert proc.returncode != 0 and "global_step_0 was scored under other settings (eval_settings differ)" in proc.stderr
+
+
+def _refused(shared: Path, run_id: str, *extra, words=()) -> str:
+    """Runs the trainer's command (its `main`) in this process, for refusals that come before any Ray starts, and
+    returns the one line it exits with, checking it holds each of `words`."""
+    from services.trainer.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([*MINIMAL, f"run_id={run_id}", f"storage.shared_dir={shared}", *extra])
+    line = str(stop.value.code)
+    assert stop.value.code not in (0, None) and "\n" not in line, line
+    for word in words:
+        assert word in line, (word, line)
+    return line
+
+
+@pytest.mark.slow
+def test_a_resume_on_a_rebuilt_warm_start_is_refused_naming_both(trained):
+    """The checkpoint records the warm start's identity: the same model.path holding other weights is refused."""
+    from shared.storage.manifest import write_manifest
+
+    shared, _ = trained
+    run = shared / "runs" / "rebased"
+    shutil.copytree(shared / "runs" / "full", run)
+    ckpt = run / "ckpts" / "global_step_2"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["base_model"], "a checkpoint names its warm start"
+    state["base_model"] = "0123456789abcdef"  # as if trained on a warm start since rebuilt with other weights
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(ckpt)
+    history = (run / "config_history.jsonl").read_text()
+    line = _refused(shared, "rebased", "schedule.total_steps=3", words=("0123456789abcdef", "warm start was rebuilt"))
+    assert (run / "config_history.jsonl").read_text() == history, line
+
+
+@pytest.mark.slow
+def test_resume_mode_none_never_empties_an_existing_run(trained):
+    shared, _ = trained
+    run = shared / "runs" / "restart-none"
+    shutil.copytree(shared / "runs" / "full", run)
+    metrics = (run / "metrics.jsonl").read_text()
+    _refused(shared, "restart-none", "schedule.resume_mode=none", words=("resume_mode = 'none'", "nothing was changed"))
+    assert (run / "metrics.jsonl").read_text() == metrics and (run / "ckpts" / "global_step_2").is_dir()
+
+
+@pytest.mark.slow
+def test_a_damaged_metrics_line_is_one_line(trained):
+    shared, _ = trained
+    run = shared / "runs" / "damaged"
+    shutil.copytree(shared / "runs" / "full", run)
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write("[1]\n")
+    _refused(shared, "damaged", words=("metrics.jsonl line 3 is not a JSON object",))
+
+
+def test_a_run_lock_holding_garbage_is_taken_over_as_stale(tmp_path):
+    from services.trainer.run_lock import RunLock
+
+    for garbage in ("[1]", "5", '{"pid": "x"}', "not json"):
+        (tmp_path / "trainer.lock").write_text(garbage)
+        warnings = []
+        with RunLock(tmp_path, warn=warnings.append):
+            assert json.loads((tmp_path / "trainer.lock").read_text())["pid"] == os.getpid()
+        assert any("stale run lock from an unreadable lock" in w for w in warnings), (garbage, warnings)
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_loses_nothing(tmp_path):
+    """The run's ckpts/ is a 16 KB file system: the first checkpoint cannot be written (a real ENOSPC)."""
+    shared = tmp_path
+    if os.geteuid() != 0:
+        pytest.fail("needs root to mount a small tmpfs (make test runs as root in CI)")
+    ckpts = shared / "runs" / "diskfull" / "ckpts"
+    ckpts.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(ckpts)], check=True)
+    try:
+        proc = _train(shared, "diskfull", extra=["schedule.total_steps=1"])
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        line = proc.stderr.strip().splitlines()[-1]
+        assert "disk is full" in line and "nothing is lost" in line, line
+        assert not [p for p in ckpts.iterdir()], f"a partial checkpoint was left: {list(ckpts.iterdir())} ({line})"
+        assert not (shared / "runs" / "diskfull" / "metrics.jsonl").read_text().strip(), "the step was recorded as done"
+    finally:
+        subprocess.run(["umount", str(ckpts)], check=True)
 
 
 @pytest.mark.slow
@@ -506,6 +589,12 @@ def test_non_finite_advantages_or_losses_stop_before_the_optimizer_step(tiny_cfg
     stats = update_policy(model, optimizer, params, processor, [_group([dataclasses.replace(turns[0], advantage=1.0)])],
                           algo, 1.0, 1, step=9)
     assert stats["policy/updates"] == 1 and not unchanged()
+    # An update that leaves the weights non-finite (a learning rate the config would refuse) stops the run at once.
+    for group in optimizer.param_groups:
+        group["lr"] = float("inf")
+    with pytest.raises(TrainingStopped, match="step 10: the weights are not finite after an optimizer step"):
+        update_policy(model, optimizer, params, processor, [_group([dataclasses.replace(turns[1], advantage=1.0)])],
+                      algo, 1.0, 1, step=10)
 
 
 @pytest.mark.slow
@@ -524,20 +613,18 @@ def test_settings_that_cannot_train_are_refused_at_start_up(tmp_path):
     assert "use algorithm.advantage_estimator=grpo" in refused("rollout.strategy=greedy_branch",
                                                                "algorithm.advantage_estimator=branch")
     assert "env.max_turns = 12 is below the 13 actions" in refused("env.max_turns=12")
+    assert "makes no branch" in refused("rollout.strategy=greedy_branch", "algorithm.advantage_estimator=grpo",
+                                        "rollout.branch_turns=0", "rollout.branch_step_back=false")
     check_trainable(load_config(None, ["env.max_turns=12", "env.reward=task_progress"], environ={}))
     # Through the trainer's command: one line, the fix, a non-zero exit, before anything is built.
-    proc = _train(tmp_path, "n1", extra=["rollout.n_samples_per_prompt=1"])
-    assert proc.returncode != 0 and "rollout.n_samples_per_prompt >= 2" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "models").exists()
-    proc = _train(tmp_path, "short", extra=["rollout.max_new_tokens=3"])
-    assert proc.returncode != 0 and "rollout.max_new_tokens = 3 is shorter than a plain reply" in proc.stderr
+    _refused(tmp_path, "n1", "rollout.n_samples_per_prompt=1", words=("rollout.n_samples_per_prompt >= 2",))
+    assert not (tmp_path / "models").exists()
+    _refused(tmp_path, "short", "rollout.max_new_tokens=3",
+             words=("rollout.max_new_tokens = 3 is shorter than a plain reply",))
 
 
-# A fixed handful of 5x5 mazes (4 moves and stop, corner to corner) that GRPO re-feeds every step; the objective
-# is the mean reward (the share of the shortest path covered, 1 when solved) of episodes sampled at T=1.
-LEARN = ["env.id=maze_2d/5x5", "env.eval_env=maze_2d/5x5", "env.max_turns=6", "env.eval_seeds=0-7",
-         "env.extended_eval_seeds=null", "env.reward=task_progress", "model.path=sft-5x5", "sft.num_mazes=300",
-         "sft.batch_size=16", "rollout.max_new_tokens=7"]
+# GRPO re-feeds LEARN's four fixed mazes every step; the objective is the mean reward (the share of the shortest
+# path covered, 1 when solved) of episodes sampled at T=1.
 FIXED = ["env.rl_num_mazes=4", "rollout.train_batch_size=4", "rollout.n_samples_per_prompt=8",
          "rollout.temperature=1.0", "rollout.strategy=sample", "algorithm.advantage_estimator=grpo",
          "algorithm.lr=0.003", "algorithm.mini_batch_size=null", "lora.rank=8", "lora.alpha=16",
@@ -557,10 +644,11 @@ def _sampled_rewards(shared: Path, adapter: Path | None, out: Path) -> list[floa
 
 
 @pytest.mark.slow
-def test_grpo_raises_its_own_objective_on_a_fixed_handful_of_mazes(tmp_path):
+def test_grpo_raises_its_own_objective_on_a_fixed_handful_of_mazes(warm_start_5x5, tmp_path):
     """The learning test: twenty GRPO steps on four fixed training mazes raise what GRPO maximises there, the mean
     reward of sampled episodes, well beyond the noise of its measurement. A flipped loss sign lowers it; zeroed
     advantages leave the policy where it was; either fails here."""
+    shutil.copytree(warm_start_5x5, tmp_path / "models")
     env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "services.trainer", *LEARN, *FIXED, "run_id=learn"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1200)

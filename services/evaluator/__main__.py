@@ -362,8 +362,11 @@ def main(argv: list[str] | None = None) -> None:
         summary = eval_local(cfg, eval_set, model_dir, adapter_dir, out, gifs=not args.no_gifs, settings=settings,
                              samples=args.samples)
         exit_on_errors([summary], out)
-    except (ModelLoadError, ConnectionError, FileNotFoundError, ValueError) as exc:
+    except (ModelLoadError, ConnectionError, ValueError) as exc:
         sys.exit(f"error: {exc}")
+    except OSError as exc:  # the volume: read-only, full, or not ours to write
+        sys.exit(f"error: cannot write {exc.filename or 'SHARED_DIR'} ({exc.strerror or exc}): SHARED_DIR "
+                 f"({cfg.shared_path()}) must be a folder this user can write, with free space")
 
 
 if __name__ == "__main__":

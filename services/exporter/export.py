@@ -47,10 +47,16 @@ def read_safetensors_header(path: Path) -> dict:
             header = json.loads(handle.read(length))
     except (OSError, struct.error, ValueError) as exc:
         raise InvalidAdapter(f"{path} is not a readable safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise InvalidAdapter(f"{path} is not a readable safetensors file (its header is a JSON "
+                             f"{type(header).__name__}, not an object)")
     header.pop("__metadata__", None)
     size = path.stat().st_size
     for name, meta in header.items():
-        start, end = meta["data_offsets"]
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise InvalidAdapter(f"{path}: tensor {name[:80]!r} has no valid data_offsets (not a safetensors file?)")
+        start, end = offsets
         if end > size - 8 - length or start > end:
             raise InvalidAdapter(f"{path}: tensor {name} points past the end of the file (truncated?)")
     return header
@@ -91,16 +97,22 @@ def validate_adapter(folder: Path, cfg) -> dict:
             raise InvalidAdapter(f"{folder} lacks {name}")
     try:
         config = json.loads((folder / "adapter_config.json").read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidAdapter(f"{folder}/adapter_config.json does not parse: {exc}") from None
+    if not isinstance(config, dict):
+        raise InvalidAdapter(f"{folder}/adapter_config.json is not a JSON object")
     if config.get("peft_type") != "LORA":
         raise InvalidAdapter(f"{folder}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
     if not same_base_model(config.get("base_model_name_or_path"), cfg):
         raise InvalidAdapter(
             f"{folder}: adapter is for base model {config.get('base_model_name_or_path')!r}, but the run's base is "
             f"{cfg.model.base_model_id!r} (model.path {cfg.model.path!r}): export it with the profile it was trained with")
-    if int(config.get("r", 0)) > max_lora_rank:
-        raise InvalidAdapter(f"{folder}: LoRA rank {config.get('r')} exceeds the server's max_lora_rank {max_lora_rank}")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise InvalidAdapter(f"{folder}/adapter_config.json: r = {str(rank)[:40]!r} is not a LoRA rank (a whole "
+                             "number >= 1)")
+    if rank > max_lora_rank:
+        raise InvalidAdapter(f"{folder}: LoRA rank {rank} exceeds the server's max_lora_rank {max_lora_rank}")
     header = read_safetensors_header(folder / "adapter_model.safetensors")
     if not header:
         raise InvalidAdapter(f"{folder}/adapter_model.safetensors holds no tensors")

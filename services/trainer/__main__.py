@@ -11,6 +11,7 @@ The tiny model and its SFT warm-start are built first when the profile bootstrap
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         enter_loopback()  # the in-process Ray listens on loopback only (re-runs this command once)
     from services.trainer.run_lock import RunLock, RunLocked
     from shared.models.loading import ModelLoadError
+    from shared.storage.files import DamagedFile
     from shared.storage.volume import SharedVolume
 
     try:
@@ -90,8 +92,23 @@ def main(argv: list[str] | None = None) -> None:
                     sys.exit(f"error: {exc}")
     except ConfigError as exc:
         sys.exit(str(exc))  # already one line that starts "config error:"
-    except (RunLocked, ModelLoadError, skyrl_backend.SkyRLRejected) as exc:
+    except (RunLocked, ModelLoadError, skyrl_backend.SkyRLRejected, DamagedFile) as exc:
         sys.exit(f"error: {exc}")
+    except OSError as exc:  # the volume itself: read-only, full, or not ours to write
+        sys.exit(f"error: {volume_error(exc, cfg)}")
+
+
+def volume_error(exc: OSError, cfg) -> str:
+    """Returns one line for an OSError from the shared volume, saying what it means for the run's files."""
+    where = f"{exc.filename}" if exc.filename else f"SHARED_DIR ({cfg.shared_path()})"
+    if exc.errno == errno.ENOSPC:
+        return (f"the disk is full (writing {where}); nothing is lost: every file is written to a temporary name and "
+                "renamed, so the last complete checkpoint and export are intact. Free some space and run the same "
+                "command again to resume")
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (f"cannot write {where} ({exc.strerror}): SHARED_DIR must be a folder this user can write; point "
+                "SHARED_DIR (storage.shared_dir) at one")
+    return f"{exc.strerror or exc} ({where})"
 
 
 if __name__ == "__main__":

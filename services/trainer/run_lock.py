@@ -51,6 +51,14 @@ def _alive(holder: dict, lock: Path) -> bool:
     return _process_start(pid) is not None and _process_start(pid) == holder.get("proc_start")
 
 
+def _read_holder(lock: Path) -> dict:
+    """Returns the lock's record; ValueError when it is not a JSON object with a pid (garbage, or half-written)."""
+    holder = json.loads(lock.read_text())
+    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+        raise ValueError(f"{lock} holds no trainer record")
+    return holder
+
+
 def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
 
@@ -81,12 +89,12 @@ class RunLock:
 
     def _clear_if_stale(self) -> None:
         try:
-            holder = json.loads(self.path.read_text())
+            holder = _read_holder(self.path)
         except (OSError, ValueError):
             # Half-written by a trainer starting this instant, or garbage: look again, then treat it as stale.
             time.sleep(0.5)
             try:
-                holder = json.loads(self.path.read_text())
+                holder = _read_holder(self.path)
             except FileNotFoundError:
                 return
             except (OSError, ValueError):
@@ -101,7 +109,7 @@ class RunLock:
         except FileNotFoundError:
             return  # the holder released it meanwhile
         try:
-            moved = json.loads(aside.read_text())
+            moved = _read_holder(aside)
         except (OSError, ValueError):
             moved = {}
         if moved and moved != holder:  # a new trainer locked the run between our read and the move: give it back

@@ -47,14 +47,28 @@ def describe_hyperpod(cluster_name: str, region: str | None = None, endpoint_url
         client = sm_session.sagemaker_client
     except Exception:
         pass  # the SDK layout differs across versions; its client is boto3's sagemaker client either way
-    cluster = client.describe_cluster(ClusterName=cluster_name)
-    nodes, token = [], None
-    while True:
-        page = client.list_cluster_nodes(ClusterName=cluster_name, **({"NextToken": token} if token else {}))
-        nodes.extend(page.get("ClusterNodeSummaries", []))
-        token = page.get("NextToken")
-        if not token:
-            break
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        cluster = client.describe_cluster(ClusterName=cluster_name)
+        nodes, token = [], None
+        while True:
+            page = client.list_cluster_nodes(ClusterName=cluster_name, **({"NextToken": token} if token else {}))
+            nodes.extend(page.get("ClusterNodeSummaries", []))
+            token = page.get("NextToken")
+            if not token:
+                break
+    except ClientError as exc:
+        error = exc.response.get("Error", {})
+        if error.get("Code") in ("ResourceNotFound", "ValidationException"):
+            raise PreflightError(f"HyperPod preflight: no cluster {cluster_name!r} in region {session.region_name} "
+                                 f"({error.get('Message', error.get('Code'))[:200]}); set cluster.hyperpod_cluster to "
+                                 "the name `aws sagemaker list-clusters` shows, and cluster.region to its region") from None
+        raise PreflightError(f"HyperPod preflight: the SageMaker API refused describe_cluster for {cluster_name!r}: "
+                             f"{error.get('Code')}: {error.get('Message', '')[:200]}") from None
+    except BotoCoreError as exc:
+        raise PreflightError(f"HyperPod preflight: the SageMaker API did not answer ({exc}); check AWS credentials "
+                             "and cluster.region") from None
     return {"status": cluster.get("ClusterStatus"), "instance_groups": cluster.get("InstanceGroups", []), "nodes": nodes}
 
 

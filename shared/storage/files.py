@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -45,17 +46,26 @@ def append_jsonl(path: str | Path, record: dict) -> None:
         os.fsync(handle.fileno())
 
 
+class DamagedFile(ValueError):
+    """A file of the project's own whose content is not what its writer writes (edited or damaged by hand)."""
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Returns the complete JSON lines of a file (a torn last line from a crash is dropped)."""
+    """Returns the complete JSON lines of a file (a torn line from a crash is dropped); DamagedFile for a line that
+    parses but is not a JSON object (nothing the project writes)."""
     path = Path(path)
     if not path.exists():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not isinstance(record, dict):
+            raise DamagedFile(f"{path} line {number} is not a JSON object ({line[:60]!r}): the file was edited or "
+                              "damaged; remove that line (or the file) and run again")
+        records.append(record)
     return records
 
 
@@ -84,6 +94,14 @@ def staged_dir(final: str | Path) -> Iterator[Path]:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(tmp, final)
+    except Exception as exc:
+        # Writers that are not Python's own (safetensors, torch.save) report a full disk in words of their own:
+        # say it as the OSError it is, so callers tell the user what it means.
+        full = not isinstance(exc, OSError) and shutil.disk_usage(tmp).free < (1 << 20)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise OSError(errno.ENOSPC, f"No space left on device ({type(exc).__name__})", str(final)) from exc
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
