@@ -339,3 +339,18 @@ def test_a_request_with_more_parts_than_any_conversation_is_refused_unread(serve
     response = _post(url, many)
     _assert_error(response, 400, "content parts")
     assert time.perf_counter() - started < 5.0
+
+
+def test_only_the_pictures_the_model_is_shown_are_decoded(server):
+    """The served profile shows the model one picture (the newest): older ones are checked as data URIs and dropped
+    unread, so an undecodable older picture costs nothing and fails nothing, while an undecodable newest one is a
+    400."""
+    url, *_ = server
+    broken = "data:image/png;base64," + "A" * 4000  # valid base64, not a picture
+    body = _valid(6)
+    newest = body["messages"][0]["content"][1]
+    older = {"type": "image_url", "image_url": {"url": broken}}
+    shown_last = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "9x9"}, older, newest]}]}
+    assert _post(url, shown_last).status_code == 200
+    broken_last = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "9x9"}, newest, older]}]}
+    _assert_error(_post(url, broken_last), 400, "image 2")
