@@ -9,13 +9,13 @@ one count over all the test jobs ('tests: N passed, N failed').
 The graph (what each job waits for):
     venv (make setup) | system (apt: prometheus, chromium, docker) | vllm-env       all three at once
     lint, skyrl-env, images (engine + base image + CPU images)                       once venv (and system) are in
-    unit-tests: the tests that start no engine, on two workers                      once lint is done
-    tests: the slow ones (Ray, servers, vLLM, trainer runs), one at a time          once unit-tests, vllm-env are
+    tests: every test but the container ones, one at a time                        once lint, system, vllm-env are
     container-tests: the stack in real containers (conftest marks them `docker`)   once the images are built
     skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env is
-Every job starts as soon as what it waits for is done, so the two cores serve two streams: the slow tests, and
-beside them the installs (network, disk), the image build (mostly disk writes), the container and SkyRL tests.
-Two pytest workers pay off only for the light tests: two trainer runs side by side each take twice as long.
+Every job starts as soon as what it waits for is done, so the two cores serve two streams: the tests, and beside
+them the installs (network, disk), the image build (mostly disk writes), the container and SkyRL tests. A second
+pytest worker does not pay here: two trainer runs side by side each take two to four times as long, and the
+light tests are a few minutes of the total (`make test-fast` runs them on two workers).
 """
 
 from __future__ import annotations
@@ -81,11 +81,10 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
         Job("skyrl-env", ["make", "--no-print-directory", "skyrl-env"], ["venv"]),
         Job("engine", engine, ["system"], background=True, ready="engine-ready"),
         Job("images", ["bash", "-c", images], ["venv", "engine"]),
-        pytest_job("unit-tests", PY, ["-m", "not slow", *pytest_args], ["lint"], workers=2),
-        # One worker: these start Ray, servers and engines, each of which wants both cores.
-        pytest_job("tests", PY, ["-m", "slow and not docker", *pytest_args], ["unit-tests", "system", "vllm-env"],
-                   workers=1),
-        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "unit-tests"], workers=1),
+        # One worker: most of these start Ray, servers and engines, each of which wants both cores, and the second
+        # core serves the other stream (installs, images, the container and SkyRL tests).
+        pytest_job("tests", PY, ["-m", "not docker", *pytest_args], ["lint", "system", "vllm-env"], workers=1),
+        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images"], workers=1),
         pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args], ["skyrl-env"],
                    workers=1),
     ]

@@ -32,17 +32,17 @@ def _plant(s3_endpoint, bucket: str, adapter_id: str, names: list[str]) -> Adapt
     return AdapterStore(f"s3://{bucket}/p", s3_endpoint)
 
 
-@pytest.mark.parametrize("name", ["../../planted", "/tmp/maze-grpo-planted-abs", "sub/../../planted", "a\\..\\b",
-                                  "..", "manifest.json"])
+@pytest.mark.parametrize("name", ["../../planted", "ABSOLUTE", "sub/../../planted", "a\\..\\b", "..", "manifest.json"])
 def test_an_s3_manifest_naming_files_outside_its_folder_is_refused_before_any_download(name, s3_endpoint, tmp_path):
+    absolute = tmp_path / "elsewhere" / "planted"  # an absolute name, unique to this test
+    name = str(absolute) if name == "ABSOLUTE" else name
     bucket = f"plant-{abs(hash(name)) % 10**8}"
     store = _plant(s3_endpoint, bucket, "evil", ["adapter_config.json", name])
     store.cache_dir = tmp_path / "cache" / "adapters"
     with pytest.raises(ManifestError, match="not a plain file name"):
         store.fetch("evil")
     # Nothing was written anywhere: not the planted name, not even the legitimate file beside it.
-    assert not Path("/tmp/maze-grpo-planted-abs").exists()
-    assert not (tmp_path / "planted").exists() and not (tmp_path / "cache" / "planted").exists()
+    assert not absolute.exists() and not list(tmp_path.rglob("planted"))
     assert not list((tmp_path / "cache").rglob("adapter_config.json"))
 
 

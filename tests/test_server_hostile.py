@@ -1,6 +1,7 @@
 """Hostile input against the real server over HTTP: each bad request gets its own clear 4xx in the OpenAI
 error shape, the requests sent beside it get their answers, and the server is alive afterwards."""
 
+import os
 import subprocess
 import sys
 import time
@@ -170,7 +171,6 @@ def test_ray_behind_the_server_listens_on_loopback_only(server, loopback_only):
 
 
 def test_no_ray_process_outlives_a_sigkilled_server(tiny_model_dir, s3_endpoint, tmp_path):
-    import os
     import signal
 
     import psutil
@@ -265,7 +265,7 @@ def test_a_planted_manifest_cannot_make_the_server_write_outside_its_cache(serve
     url, cfg, *_ = server
     client = s3_client(cfg.storage.aws_endpoint_url)
     bucket, prefix = cfg.storage.s3_uri[5:].split("/", 1)
-    absolute = Path("/tmp/maze-grpo-planted-by-manifest")
+    absolute = Path(cfg.shared_path()).parent / f"planted-by-manifest-{os.getpid()}"  # unique to this test run
     names = ["adapter_config.json", str(absolute), "../../../planted-by-manifest"]
     for name in names:
         client.put_object(Bucket=bucket, Key=f"{prefix}/adapters/planted/{name.lstrip('/')}", Body=b"{}")

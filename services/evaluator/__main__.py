@@ -131,26 +131,23 @@ def endpoint_engine(cfg: RunConfig, base_url: str, model_name: str | None, deadl
                         max_turns_in_context=cfg.model.max_turns_in_context, deadline_s=deadline_s)
 
 
-def positive_seconds(value: str) -> float:
-    """argparse type: a finite number of seconds above 0."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds (e.g. 120)") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive, finite number of seconds (e.g. 120)")
-    return seconds
+def finite_number(what: str, low: float, high: float, example: str, low_excluded: bool = False):
+    """Returns an argparse type: a finite float in [low, high] ((low, high] with `low_excluded`), named `what`."""
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number (e.g. {example})") from None
+        inside = math.isfinite(number) and (low < number if low_excluded else low <= number) and number <= high
+        if not inside:
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what} (e.g. {example})")
+        return number
+
+    return parse
 
 
-def temperature_arg(value: str) -> float:
-    """argparse type: a sampling temperature, finite and 0 or more (0 = greedy)."""
-    try:
-        temperature = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number (e.g. 0.7, or 0 for greedy)") from None
-    if not math.isfinite(temperature) or not 0 <= temperature <= 10:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a temperature: use a finite number in 0..10 (0 = greedy)")
-    return temperature
+positive_seconds = finite_number("a positive, finite number of seconds", 0, math.inf, "120", low_excluded=True)
+temperature_arg = finite_number("a temperature: a finite number in 0..10, 0 for greedy", 0, 10, "0.7")
 
 
 def complete_exports(volume: SharedVolume, run_id: str) -> list[tuple[int, Path]]:
