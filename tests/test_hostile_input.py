@@ -1,6 +1,7 @@
 """Hostile input, read as an attacker or a careless user would write it: files planted in S3 or on the volume, replies
 built to stall a parser, settings that cannot train. Each test names what it refuses; the server's hostile requests
-live in test_server_hostile.py (they need the running server)."""
+live in test_server_hostile.py (they need the running server), the trainer's in test_trainer.py (they need a
+trained run). Tests that start a service are marked slow (make test-fast leaves them out)."""
 
 import json
 import os
@@ -60,6 +61,7 @@ def test_a_volume_manifest_naming_files_outside_its_folder_is_refused(tmp_path):
         read_manifest(folder)
 
 
+@pytest.mark.slow  # runs a service or a server
 def test_s3_down_stops_only_the_server_it_started(tmp_path):
     """After a reboot endpoint.json's pid can be any process: s3-down must leave it alone."""
     from shared.storage import local_s3
@@ -87,6 +89,7 @@ def test_s3_down_stops_only_the_server_it_started(tmp_path):
         bystander.wait()
 
 
+@pytest.mark.slow  # runs a service or a server
 def test_an_export_holding_a_link_to_a_file_outside_the_run_is_refused(exported_run, s3_endpoint, tmp_path):
     from shared.storage.s3 import s3_client
 
@@ -177,6 +180,7 @@ def _answer(handler, text: str):
     handler.wfile.write(body)
 
 
+@pytest.mark.slow  # runs a service or a server
 def test_long_replies_are_cut_before_they_are_parsed_or_stored(tmp_path):
     endpoint = _Endpoint(lambda h: _answer(h, "x" * 500_000 + "('move', 0)"))
     flood = _Endpoint(lambda h: _answer(h, "y" * 5 * 1024 * 1024))
@@ -196,6 +200,7 @@ def test_long_replies_are_cut_before_they_are_parsed_or_stored(tmp_path):
         flood.close()
 
 
+@pytest.mark.slow  # runs a service or a server
 def test_an_endpoint_that_drips_one_byte_at_a_time_ends_the_evaluation_at_its_deadline(tmp_path):
     def drip(handler):
         handler.send_response(200)
@@ -220,6 +225,7 @@ def test_an_endpoint_that_drips_one_byte_at_a_time_ends_the_evaluation_at_its_de
     assert elapsed < 45, f"took {elapsed:.0f} s: each request must end at its deadline"
 
 
+@pytest.mark.slow  # runs a service or a server
 def test_the_evaluator_refuses_a_temperature_it_cannot_sample_with(tmp_path):
     for value in ("nan", "inf", "-1"):
         proc = subprocess.run([sys.executable, "-m", "services.evaluator", "--temperature", value], cwd=REPO,
@@ -246,6 +252,7 @@ def test_settings_out_of_range_are_refused_in_one_line(override, words):
     assert "\n" not in message and all(word in message for word in words), message
 
 
+@pytest.mark.slow  # runs a service or a server
 def test_a_config_error_does_not_echo_an_unbounded_value(tmp_path):
     """A YAML alias bomb of a few hundred bytes expands to megabytes; the error line stays short."""
     bomb = ["a: &a [x, x, x, x, x, x, x, x, x, x]"] + [
@@ -262,6 +269,7 @@ def test_a_config_error_does_not_echo_an_unbounded_value(tmp_path):
 # ---- files a user or another tool damaged -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # runs a service or a server
 def test_adapter_files_that_are_not_what_they_claim_are_rejected_with_one_line(exported_run, tiny_cfg, tmp_path):
     from services.exporter.export import InvalidAdapter, read_safetensors_header, validate_adapter
 
@@ -291,6 +299,7 @@ def _read_only_folder(tmp_path: Path) -> tuple[Path, callable]:
     return folder, lambda: folder.chmod(0o700)
 
 
+@pytest.mark.slow  # runs a service or a server
 def test_a_read_only_shared_dir_is_one_line(tiny_model_dir, tmp_path):
     folder, undo = _read_only_folder(tmp_path)
     try:
@@ -306,6 +315,7 @@ def test_a_read_only_shared_dir_is_one_line(tiny_model_dir, tmp_path):
         undo()
 
 
+@pytest.mark.slow  # runs a service or a server
 def test_a_preflight_for_a_cluster_that_does_not_exist_is_one_line(s3_endpoint, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({"SAGEMAKER_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
