@@ -13,6 +13,10 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The Ray heads the tests start with a dashboard (job submission, metrics) wait 30 s for its nine module processes
+# by default; on a 2-core machine running `make test`'s second stream beside them (an image build, SkyRL's checks)
+# they can need longer, and the head then fails to start (seen twice). The wait only bounds a start-up.
+os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "180")
 REPO = Path(__file__).resolve().parent.parent
 # tests/skyrl_checks runs SkyRL's own code: in .venv-skyrl (Python 3.12), as `make test`'s second pytest run.
 try:
