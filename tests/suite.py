@@ -10,8 +10,8 @@ The graph (what each job waits for):
     venv (make setup) | system (apt: prometheus, chromium, docker) | vllm-env       all three at once
     lint, skyrl-env, images (engine + base image + CPU images)                       once venv (and system) are in
     tests: every test but the container ones, one at a time                        once lint, system, vllm-env are
-    container-tests: the stack in real containers (conftest marks them `docker`)   once the images are built
     skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env is
+    container-tests: the stack in real containers (conftest marks them `docker`)   once images and skyrl-checks are
 Every job starts as soon as what it waits for is done, so the two cores serve two streams: the tests, and beside
 them the installs (network, disk), the image build (mostly disk writes), the container and SkyRL tests. A second
 pytest worker does not pay here: two trainer runs side by side each take two to four times as long, and the
@@ -84,9 +84,10 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
         # One worker: most of these start Ray, servers and engines, each of which wants both cores, and the second
         # core serves the other stream (installs, images, the container and SkyRL tests).
         pytest_job("tests", PY, ["-m", "not docker", *pytest_args], ["lint", "system", "vllm-env"], workers=1),
-        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images"], workers=1),
         pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args], ["skyrl-env"],
                    workers=1),
+        # After SkyRL's checks, so the second stream runs one heavy thing at a time beside the first.
+        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "skyrl-checks"], workers=1),
     ]
 
 
