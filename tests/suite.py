@@ -10,12 +10,11 @@ The graph (what each job waits for):
     venv (make setup) | system (apt: prometheus, chromium, docker) | vllm-env       all three at once
     lint, skyrl-env, images (engine + base image + CPU images)                       once venv (and system) are in
     tests: every test but the container ones, one at a time                        once lint, system, vllm-env are
-    skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env is
+    skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env and tests are
     container-tests: the stack in real containers (conftest marks them `docker`)   once images and skyrl-checks are
-Every job starts as soon as what it waits for is done, so the two cores serve two streams: the tests, and beside
-them the installs (network, disk), the image build (mostly disk writes), the container and SkyRL tests. A second
-pytest worker does not pay here: two trainer runs side by side each take two to four times as long, and the
-light tests are a few minutes of the total (`make test-fast` runs them on two workers).
+The installs wait on the network and the disk and the image build mostly writes to disk, so they run beside the
+tests; the test runs themselves go one after another. On 2 cores a second test stream did not pay: two trainer
+runs side by side each took two to four times as long, and Ray and vLLM start-ups timed out under that load.
 """
 
 from __future__ import annotations
@@ -84,9 +83,10 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
         # One worker: most of these start Ray, servers and engines, each of which wants both cores, and the second
         # core serves the other stream (installs, images, the container and SkyRL tests).
         pytest_job("tests", PY, ["-m", "not docker", *pytest_args], ["lint", "system", "vllm-env"], workers=1),
-        pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args], ["skyrl-env"],
-                   workers=1),
-        # After SkyRL's checks, so the second stream runs one heavy thing at a time beside the first.
+        # The other test runs wait for the first: beside it, a Ray or vLLM start-up in a second test stream timed out
+        # (seen three times on the slow machines); the installs and the image build are what overlaps.
+        pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args],
+                   ["skyrl-env", "tests"], workers=1),
         pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "skyrl-checks"], workers=1),
     ]
 
