@@ -62,22 +62,25 @@ def pytest_job(name: str, python: str, selection: list[str], after: list[str], w
     return Job(name, command, after, tests=True)
 
 
+def make(name: str, target: str, after: tuple[str, ...] = ()) -> Job:
+    """Returns a job running one Makefile target (where every install and the lint command live)."""
+    return Job(name, ["make", "--no-print-directory", target], list(after))
+
+
 def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
     if fast:
-        return [Job("venv", ["make", "--no-print-directory", "setup"]),
-                Job("lint", [PY, "-m", "ruff", "check", "shared", "services", "tests", "bench", "docker", "envs"],
-                    ["venv"]),
+        return [make("venv", "setup"), make("lint", "lint", ("venv",)),
                 pytest_job("tests", PY, ["-m", "not slow", *pytest_args], ["lint"], workers=2)]
     # The engine is held for the image build and the container tests; with-engine.sh installs and starts one where
     # it can (root with apt) and says why not elsewhere, and the container tests then skip with that reason.
     engine = ["bash", "docker/with-engine.sh", "bash", "-c", "echo engine-ready; exec sleep infinity"]
     images = f"if docker info >/dev/null 2>&1; then bash docker/base-image.sh && {PY} docker/build.py; fi"
     return [
-        Job("venv", ["make", "--no-print-directory", "setup"]),
-        Job("system", ["make", "--no-print-directory", "system-deps"]),
-        Job("vllm-env", ["make", "--no-print-directory", "vllm-env"]),
-        Job("lint", [PY, "-m", "ruff", "check", "shared", "services", "tests", "bench", "docker", "envs"], ["venv"]),
-        Job("skyrl-env", ["make", "--no-print-directory", "skyrl-env"], ["venv"]),
+        make("venv", "setup"),
+        make("system", "system-deps"),
+        make("vllm-env", "vllm-env"),
+        make("lint", "lint", ("venv",)),
+        make("skyrl-env", "skyrl-env", ("venv",)),
         Job("engine", engine, ["system"], background=True, ready="engine-ready"),
         Job("images", ["bash", "-c", images], ["venv", "engine"]),
         # One worker: most of these start Ray, servers and engines, each of which wants both cores, and the second

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -70,8 +71,6 @@ def test_s3_down_stops_only_the_server_it_started(tmp_path):
     try:
         path = local_s3.state_file(tmp_path)
         path.parent.mkdir(parents=True)
-        import socket
-
         path.write_text(json.dumps({"endpoint_url": "http://127.0.0.1:9", "s3_uri": "s3://maze-grpo/local",
                                     "host": socket.gethostname(), "pid": bystander.pid}))
         assert local_s3.running_endpoint(tmp_path) is None, "a stranger's pid is not our endpoint"
