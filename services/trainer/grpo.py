@@ -630,8 +630,9 @@ class Trainer:
         }
 
     def end_step(self, step: int, metrics: dict) -> None:
-        """Syncs the new adapter to the workers, then evaluates, exports and checkpoints on the schedule, and appends
-        the step's metrics last: a crash before that line replays the step from the last checkpoint."""
+        """Syncs the new adapter to the workers, then evaluates and exports on the schedule, appends the step's
+        metrics, and checkpoints last. A crash before the checkpoint replays the step from the previous one (a resume
+        drops metric lines past its checkpoint); a checkpoint is never on the volume without its step's metrics."""
         cfg, sched = self.cfg, self.cfg.schedule
         started = time.perf_counter()
         self._sync(step)
@@ -646,10 +647,10 @@ class Trainer:
         if step % sched.hf_save_interval == 0 or final:
             with staged_dir(self.volume.export(cfg.run_id, step)) as tmp:
                 save_adapter(self.model, tmp)
+        append_jsonl(self.volume.metrics(cfg.run_id), metrics)
         if step % sched.ckpt_interval == 0 or final:
             save_checkpoint(self.volume, cfg.run_id, step, self.model, self.optimizer, self.stream, self.settings,
                             keep=sched.max_ckpts_to_keep, base_identity=self.base_identity)
-        append_jsonl(self.volume.metrics(cfg.run_id), metrics)
 
     # ---- the end of a run ---------------------------------------------------------------------------
 
