@@ -326,3 +326,27 @@ def test_a_preflight_for_a_cluster_that_does_not_exist_is_one_line(s3_endpoint, 
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert "no cluster 'no-such-cluster'" in line and "cluster.hyperpod_cluster" in line, line
+
+
+@pytest.mark.slow  # runs a service or a server
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+@pytest.mark.parametrize("damage", ["not safetensors", "truncated"])
+def test_a_damaged_model_is_refused_in_one_line_before_any_engine_starts(engine, damage, tiny_model_dir, tmp_path):
+    """Both servers read the weights' headers first: a damaged model is named at once, not after the engine's start-up
+    (the vLLM app under Ray Serve takes minutes to find out). Ray never starts: no session folder appears."""
+    model_dir = tmp_path / "models" / "broken"
+    shutil.copytree(tiny_model_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    if damage == "not safetensors":
+        weights.write_bytes(b"not a safetensors file")
+    else:
+        with open(weights, "r+b") as handle:
+            handle.truncate(weights.stat().st_size // 2)
+    env = {**os.environ, "SHARED_DIR": str(tmp_path), "S3_URI": "s3://bucket/p", "RAY_TMPDIR": str(tmp_path / "ray")}
+    proc = subprocess.run([sys.executable, "-m", "services.server", "--engine", engine, "model.path=broken"], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: the model at {model_dir} cannot be loaded: ") and "rebuild it" in last, proc.stderr
+    assert ("truncated" in last) == (damage == "truncated"), last
+    assert "Traceback" not in proc.stderr and not (tmp_path / "ray").exists(), "an engine was started"

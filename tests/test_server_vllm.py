@@ -3,7 +3,6 @@
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -207,26 +206,19 @@ def test_evaluator_against_vllm_scores_the_64_mazes_as_in_process_greedy(vllm_se
 
 
 @needs_vllm
-@pytest.mark.parametrize("failure", ["model it cannot load", "KV cache that does not fit"])
-def test_an_engine_that_cannot_start_says_why_in_one_line(failure, tiny_model_dir, s3_endpoint, shared_dir, tmp_path):
+def test_an_engine_that_cannot_start_says_why_in_one_line(tiny_model_dir, s3_endpoint, shared_dir, tmp_path):
+    """A KV cache the model's context does not fit in: only vLLM's engine finds out, after its start-up. (A damaged
+    model is refused before any engine starts: test_hostile_input.py.)"""
     from shared.storage.s3 import s3_client
 
     if BUCKET not in {b["Name"] for b in s3_client(s3_endpoint).list_buckets()["Buckets"]}:
         s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
-    model_dir, extra, cause = tiny_model_dir, [], "KV cache"
-    if failure == "model it cannot load":
-        model_dir = tmp_path / "broken-model"
-        shutil.copytree(tiny_model_dir, model_dir)
-        (model_dir / "manifest.json").unlink(missing_ok=True)
-        (model_dir / "model.safetensors").write_bytes(b"not a safetensors file")
-        cause = "safetensor"
-    else:
-        extra = ["server.kv_cache_bytes=1048576"]
-    proc, url = _start(_env(shared_dir, s3_endpoint), _overrides(model_dir, _port(), *extra), tmp_path / "server.log")
+    overrides = _overrides(tiny_model_dir, _port(), "server.kv_cache_bytes=1048576")
+    proc, url = _start(_env(shared_dir, s3_endpoint), overrides, tmp_path / "server.log")
     _stop(proc)
     assert url is None and proc.returncode != 0
     last = (tmp_path / "server.log").read_text().strip().splitlines()[-1]
-    assert last.startswith("error: the vLLM engine did not start: ") and cause.lower() in last.lower(), last
+    assert last.startswith("error: the vLLM engine did not start: ") and "kv cache" in last.lower(), last
 
 
 def test_gpu_and_cpu_differ_only_in_accelerator_settings(tmp_path):

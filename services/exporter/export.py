@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import calendar
 import json
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from boto3.s3.transfer import TransferConfig
 
 from shared.storage.adapters import AdapterNotFound, AdapterStore
+from shared.storage.files import DamagedFile, safetensors_header
 from shared.storage.ids import check_adapter_id
 from shared.storage.manifest import MANIFEST, model_identity, sha256_file
 from shared.storage.volume import ADAPTER_FILES, SharedVolume, complete_exports
@@ -40,26 +40,9 @@ class ExportResult:
 def read_safetensors_header(path: Path) -> dict:
     """Returns the JSON header of a safetensors file; InvalidAdapter if it is not one."""
     try:
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if length <= 0 or length > 100 * 1024 * 1024:
-                raise ValueError(f"header length {length} is implausible")
-            header = json.loads(handle.read(length))
-    except (OSError, struct.error, ValueError) as exc:
-        raise InvalidAdapter(f"{path} is not a readable safetensors file ({exc})") from None
-    if not isinstance(header, dict):
-        raise InvalidAdapter(f"{path} is not a readable safetensors file (its header is a JSON "
-                             f"{type(header).__name__}, not an object)")
-    header.pop("__metadata__", None)
-    size = path.stat().st_size
-    for name, meta in header.items():
-        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise InvalidAdapter(f"{path}: tensor {name[:80]!r} has no valid data_offsets (not a safetensors file?)")
-        start, end = offsets
-        if end > size - 8 - length or start > end:
-            raise InvalidAdapter(f"{path}: tensor {name} points past the end of the file (truncated?)")
-    return header
+        return safetensors_header(path)
+    except DamagedFile as exc:
+        raise InvalidAdapter(str(exc)) from None
 
 
 def same_base_model(recorded: str | None, cfg) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import yaml
 
@@ -58,8 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                               "base_model_id": cfg.model.base_model_id, "adapters": f"{cfg.storage.s3_uri}/adapters",
                               "auth": bool(api_key)}, sort_keys=False))
         return
-    if not (model_dir / "config.json").exists():
-        sys.exit(f"error: no model at {model_dir}; build it with `make sft` (or set model.path)")
+    check_model(model_dir)
     url = start_cpu_server(cfg, str(model_dir), host, api_key)
     print(f"serving {cfg.model.base_model_id} (+ adapters from {cfg.storage.s3_uri}/adapters) on {url}", flush=True)
     try:
@@ -69,10 +69,32 @@ def main(argv: list[str] | None = None) -> None:
         pass
 
 
+def check_model(model_dir: Path) -> None:
+    """Exits with one line unless model_dir holds a config and weight files whose headers read: a damaged model is
+    named in a second instead of after the engine's start-up (minutes for vLLM under Ray Serve)."""
+    from shared.storage.files import DamagedFile, safetensors_header
+
+    if not (model_dir / "config.json").exists():
+        sys.exit(f"error: no model at {model_dir}; build it with `make sft` (or set model.path)")
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
+        sys.exit(f"error: the model at {model_dir} has no .safetensors weights; rebuild it with `make sft` (or set "
+                 "model.path)")
+    for path in weights:
+        try:
+            safetensors_header(path)
+        except DamagedFile as exc:
+            sys.exit(f"error: the model at {model_dir} cannot be loaded: {exc}; rebuild it with `make sft` (or set "
+                     "model.path)")
+
+
 def serve_vllm(cfg, host: str, api_key: str | None, dry_run: bool) -> None:
     """Validates and (unless dry_run) runs the Ray Serve LLM app until interrupted."""
-    from services.server.llm import EngineStartError, run, serve_config, validate
     from shared.storage.volume import SharedVolume
+
+    if not dry_run:
+        check_model(SharedVolume(cfg.shared_path()).model(cfg.model.path))
+    from services.server.llm import EngineStartError, run, serve_config, validate
 
     try:
         config = serve_config(cfg)
@@ -82,9 +104,6 @@ def serve_vllm(cfg, host: str, api_key: str | None, dry_run: bool) -> None:
     if dry_run:
         print(yaml.safe_dump(config, sort_keys=False))
         return
-    model_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
-    if not (model_dir / "config.json").exists():
-        sys.exit(f"error: no model at {model_dir}; build it with `make sft` (or set model.path)")
     try:
         url = run(cfg, host, api_key)
     except EngineStartError as exc:

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,6 +49,32 @@ def append_jsonl(path: str | Path, record: dict) -> None:
 
 class DamagedFile(ValueError):
     """A file of the project's own whose content is not what its writer writes (edited or damaged by hand)."""
+
+
+def safetensors_header(path: Path) -> dict:
+    """Returns a safetensors file's tensor table (its JSON header less `__metadata__`), having checked that every
+    tensor lies inside the file; DamagedFile if it is not a readable safetensors file. Reads the header only."""
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length <= 0 or length > 100 * 1024 * 1024:
+                raise ValueError(f"header length {length} is implausible")
+            header = json.loads(handle.read(length))
+    except (OSError, struct.error, ValueError) as exc:
+        raise DamagedFile(f"{path} is not a readable safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise DamagedFile(f"{path} is not a readable safetensors file (its header is a JSON "
+                          f"{type(header).__name__}, not an object)")
+    header.pop("__metadata__", None)
+    size = Path(path).stat().st_size
+    for name, meta in header.items():
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise DamagedFile(f"{path}: tensor {name[:80]!r} has no valid data_offsets (not a safetensors file?)")
+        start, end = offsets
+        if end > size - 8 - length or start > end:
+            raise DamagedFile(f"{path}: tensor {name[:80]} points past the end of the file (truncated?)")
+    return header
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
