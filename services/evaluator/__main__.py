@@ -26,8 +26,7 @@ from shared.evaluation.plots import plot_solve_rate
 from shared.evaluation.skyrl import skyrl_eval_metrics
 from shared.machine import machine_info
 from shared.maze.dataset import EvalSet, parse_seeds
-from shared.models.inference import LocalEngine
-from shared.models.loading import ModelLoadError
+from shared.models import ModelLoadError
 from shared.storage.files import append_jsonl, atomic_write_json, read_jsonl
 from shared.storage.ids import check_run_id
 from shared.storage.manifest import sha256_file
@@ -114,6 +113,8 @@ def eval_folder(value: str) -> Path:
 
 def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: Path | None, out: Path, gifs=True,
                settings: EpisodeSettings | None = None, samples: int = 1) -> dict:
+    from shared.models.inference import LocalEngine  # torch: imported once a model is to be run
+
     engine = LocalEngine.from_config(cfg, model_dir, adapter_dir)
     summary, _ = evaluate(engine, eval_set, settings or EpisodeSettings.from_config(cfg), out, model=str(model_dir),
                           adapter=str(adapter_dir) if adapter_dir else None, extra=identity(model_dir, adapter_dir),
@@ -249,6 +250,8 @@ def diagnose_command(argv: list[str]) -> None:
     cfg = config_from_args(args)
     eval_set = eval_set_from(cfg, args.seeds, None)
     model_dir = Path(args.model) if args.model else SharedVolume(cfg.shared_path()).model(cfg.model.path)
+    from shared.models.inference import LocalEngine
+
     try:
         engine = LocalEngine.from_config(cfg, model_dir, resolve_adapter(cfg, args.adapter))
     except (ModelLoadError, FileNotFoundError, ValueError) as exc:

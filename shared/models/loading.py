@@ -11,13 +11,10 @@ from pathlib import Path
 
 import torch
 
+from shared.models import ModelLoadError
 from shared.storage.manifest import ManifestError, verify_manifest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """A model or adapter folder that cannot be used, with what to do about it."""
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
