@@ -36,36 +36,47 @@ def _port():
         return s.getsockname()[1]
 
 
-def test_submit_a_two_step_job_to_a_local_ray_head(tmp_path):
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """One local Ray head (loopback) for the submissions below, as a cluster node is set up: its `python` is the one
+    with the project's dependencies, and its environment's SHARED_DIR is the cluster's storage."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     dashboard = _port()
-    # Like a cluster node, the head's `python` is the one with the project's dependencies.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    cluster_storage = tmp_path_factory.mktemp("cluster") / "shared"  # the cluster's /shared
+    cluster_storage.mkdir(mode=0o755)
+    cluster_storage.parent.chmod(0o755)
     subprocess.run([ray_cli, "start", "--head", "--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=2",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}",
                     # its own agent port: the default (52365) may be held by another Ray on this machine
-                    f"--dashboard-agent-listen-port={_port()}",
-                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=180)
+                    f"--dashboard-agent-listen-port={_port()}", "--disable-usage-stats"], check=True,
+                   env={**env, "SHARED_DIR": str(cluster_storage)}, capture_output=True, timeout=180)
     try:
-        shared, records = tmp_path / "shared", tmp_path / "records"
-        # The job's storage is asked for on purpose (an override); the submitter's own SHARED_DIR stays here.
-        submit_env = {**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}", "SHARED_DIR": str(tmp_path / "mine")}
-        proc = subprocess.run([sys.executable, "-m", "services.trainer", "submit", "--timeout", "900", *MINIMAL,
-                               "run_id=submitted", f"storage.shared_dir={shared}", "--record-dir", str(records)],
-                              cwd=REPO, env=submit_env, capture_output=True, text=True, timeout=1000)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        run = shared / "runs" / "submitted"
-        job = json.loads((records / "submitted.json").read_text())
-        assert job["status"] == "SUCCEEDED" and job["job_id"] and "SHARED_DIR" not in job["forwarded_env"]
-        assert not (tmp_path / "mine").exists(), "the submitting shell's SHARED_DIR went into the job"
-        verify_manifest(run / "exports" / "global_step_2" / "policy")
-        assert (run / "evals" / "global_step_2" / "summary.json").exists()
-        assert "== submitted: 2 GRPO steps" in proc.stdout  # the job's own log, streamed: its end-of-run summary
+        yield f"http://127.0.0.1:{dashboard}", env, cluster_storage
     finally:
         stop_ray_started_in(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_submit_a_two_step_job_to_a_local_ray_head(ray_head, tmp_path):
+    address, env, cluster_storage = ray_head
+    shared, records = tmp_path / "shared", tmp_path / "records"
+    # The job's storage is asked for on purpose (an override); the submitter's own SHARED_DIR stays here.
+    submit_env = {**env, "RAY_ADDRESS": address, "SHARED_DIR": str(tmp_path / "mine")}
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", "submit", "--timeout", "900", *MINIMAL,
+                           "run_id=submitted", f"storage.shared_dir={shared}", "--record-dir", str(records)],
+                          cwd=REPO, env=submit_env, capture_output=True, text=True, timeout=1000)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = shared / "runs" / "submitted"
+    job = json.loads((records / "submitted.json").read_text())
+    assert job["status"] == "SUCCEEDED" and job["job_id"] and "SHARED_DIR" not in job["forwarded_env"]
+    assert not (tmp_path / "mine").exists(), "the submitting shell's SHARED_DIR went into the job"
+    assert not (cluster_storage / "runs" / "submitted").exists(), "the override did not reach the job"
+    verify_manifest(run / "exports" / "global_step_2" / "policy")
+    assert (run / "evals" / "global_step_2" / "summary.json").exists()
+    assert "== submitted: 2 GRPO steps" in proc.stdout  # the job's own log, streamed: its end-of-run summary
 
 
 # moto's SageMaker knows only older instance types (no ml.r5d/ml.g7e), so the clusters below use types it
@@ -205,26 +216,16 @@ def test_the_submission_address_reaches_the_raycluster_through_the_plugins_own_c
         api.shutdown()
 
 
-def test_submit_works_from_a_machine_without_the_profiles_shared_folder(tmp_path):
+def test_submit_works_from_a_machine_without_the_profiles_shared_folder(ray_head, tmp_path):
     """From a laptop (a non-root user, no /shared): the job id is recorded on the submitting machine, and nothing of
     its storage goes with the job; the job still runs on the cluster's storage."""
-    ray_cli = str(Path(sys.executable).parent / "ray")
-    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    dashboard = _port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    cluster_storage = tmp_path / "cluster-shared"  # the cluster's /shared: the head's environment sets it
-    cluster_storage.mkdir(mode=0o755)
-    subprocess.run([ray_cli, "start", "--head", "--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}",
-                    f"--dashboard-agent-listen-port={_port()}", "--disable-usage-stats"], check=True,
-                   env={**env, "SHARED_DIR": str(cluster_storage)}, capture_output=True, timeout=180)
+    address, env, cluster_storage = ray_head
     # Not under tmp_path: pytest's base folder is private to the user running the tests (mode 0700), and the
     # submitting user below is another user, who must reach its own home.
     home = Path(tempfile.mkdtemp(prefix="laptop-home-", dir="/tmp"))
     try:
         laptop = {k: v for k, v in env.items() if k not in ("SHARED_DIR",)}
-        laptop.update({"HOME": str(home), "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}",
+        laptop.update({"HOME": str(home), "RAY_ADDRESS": address,
                        "SHARED_DIR": "/shared-on-the-cluster-only"})  # the obvious work-around, which must stay local
         command = [sys.executable, "-m", "services.trainer", "submit", "--timeout", "900", *MINIMAL, "run_id=laptop"]
         if os.getuid() == 0:  # as root, run the submission as an ordinary user, as from a laptop
@@ -237,6 +238,4 @@ def test_submit_works_from_a_machine_without_the_profiles_shared_folder(tmp_path
         assert not Path("/shared-on-the-cluster-only").exists()
         verify_manifest(cluster_storage / "runs" / "laptop" / "exports" / "global_step_2" / "policy")
     finally:
-        stop_ray_started_in(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
