@@ -29,15 +29,18 @@ def save_adapter(model, folder: Path) -> None:
 
 
 def save_checkpoint(volume: SharedVolume, run_id: str, step: int, model, optimizer, stream: MazeStream,
-                    settings: dict, keep: int | None = None, base_identity: str | None = None) -> Path:
-    """Writes ckpts/global_step_N (adapter, optimizer, RNG, step, data cursor, the settings that trained it and the
-    identity of the warm start under it) atomically, then the pointer; keeps the newest `keep`."""
+                    settings: dict, keep: int | None = None, base_identity: str | None = None,
+                    metrics: dict | None = None) -> Path:
+    """Writes ckpts/global_step_N (adapter, optimizer, RNG, step, data cursor, the settings that trained it, the
+    identity of the warm start under it and the step's metrics line) atomically, then the pointer; keeps the newest
+    `keep`."""
     final = volume.ckpt(run_id, step)
     with staged_dir(final) as tmp:
         save_adapter(model, tmp / "policy")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         state = {"step": step, "maze_stream": stream.state(), "python_rng": repr(random.getstate()),
-                 "settings_hash": settings_hash(settings), "settings": settings, "base_model": base_identity}
+                 "settings_hash": settings_hash(settings), "settings": settings, "base_model": base_identity,
+                 "metrics": metrics}
         torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state()}, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
     atomic_write_text(volume.ckpts(run_id) / LATEST_STEP_FILE, f"{step}\n")
@@ -56,6 +59,11 @@ def checkpoint_settings(folder: Path) -> dict | None:
 def checkpoint_base(folder: Path) -> str | None:
     """Returns the identity of the warm start a checkpoint was trained on (None where it records none)."""
     return json.loads((folder / "trainer_state.json").read_text()).get("base_model")
+
+
+def checkpoint_metrics(folder: Path) -> dict | None:
+    """Returns the metrics line of the step a checkpoint ends (None for one written before they were recorded)."""
+    return json.loads((folder / "trainer_state.json").read_text()).get("metrics")
 
 
 def load_checkpoint(folder: Path, model, optimizer, stream: MazeStream) -> int:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from services.trainer.checkpoints import (
     checkpoint_base,
+    checkpoint_metrics,
     checkpoint_settings,
     load_checkpoint,
     save_adapter,
@@ -630,9 +631,9 @@ class Trainer:
         }
 
     def end_step(self, step: int, metrics: dict) -> None:
-        """Syncs the new adapter to the workers, then evaluates and exports on the schedule, appends the step's
-        metrics, and checkpoints last. A crash before the checkpoint replays the step from the previous one (a resume
-        drops metric lines past its checkpoint); a checkpoint is never on the volume without its step's metrics."""
+        """Syncs the new adapter to the workers, then evaluates, exports and checkpoints on the schedule, and appends
+        the step's metrics last: a crash before that line replays the step from the last checkpoint, and a crash
+        between a checkpoint and its line is repaired on resume from the copy of the line the checkpoint holds."""
         cfg, sched = self.cfg, self.cfg.schedule
         started = time.perf_counter()
         self._sync(step)
@@ -647,10 +648,10 @@ class Trainer:
         if step % sched.hf_save_interval == 0 or final:
             with staged_dir(self.volume.export(cfg.run_id, step)) as tmp:
                 save_adapter(self.model, tmp)
-        append_jsonl(self.volume.metrics(cfg.run_id), metrics)
         if step % sched.ckpt_interval == 0 or final:
             save_checkpoint(self.volume, cfg.run_id, step, self.model, self.optimizer, self.stream, self.settings,
-                            keep=sched.max_ckpts_to_keep, base_identity=self.base_identity)
+                            keep=sched.max_ckpts_to_keep, base_identity=self.base_identity, metrics=metrics)
+        append_jsonl(self.volume.metrics(cfg.run_id), metrics)
 
     # ---- the end of a run ---------------------------------------------------------------------------
 
@@ -716,9 +717,13 @@ class Trainer:
         ray.get([w.sync.remote(str(sync_dir), step) for w in self.workers])
 
     def _truncate_metrics(self, step: int) -> None:
-        """On resume, drops metric lines past the checkpoint so the file matches an uninterrupted run."""
+        """On resume, drops metric lines past the checkpoint so the file matches an uninterrupted run, and restores the
+        checkpoint's own line where the run was stopped between writing the checkpoint and appending that line."""
         path = self.volume.metrics(self.cfg.run_id)
         records = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
+        if step and not any(int(r.get("step", 0)) == step for r in records):
+            saved = checkpoint_metrics(self.volume.ckpt(self.cfg.run_id, step))
+            records += [saved] if saved else []
         atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
         hist = self.run_dir / "evals" / "history.jsonl"
         kept = [r for r in read_jsonl(hist) if int(r.get("step", 0)) <= step]
