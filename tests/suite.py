@@ -10,12 +10,11 @@ The graph (what each job waits for):
     venv (make setup) | system (apt: prometheus, chromium, docker) | vllm-env       all three at once
     lint, skyrl-env, images (engine + base image + CPU images)                       once venv (and system) are in
     tests: every test but the container ones, one at a time                        once lint, system, vllm-env are
-    skyrl-checks: SkyRL's own code against ours (.venv-skyrl), at nice 10          once skyrl-env and those are
-    container-tests: the stack in real containers (conftest marks them `docker`)   once images, both of those are
+    skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env and tests are
+    container-tests: the stack in real containers (conftest marks them `docker`)   once images and skyrl-checks are
 The installs wait on the network and the disk and the image build mostly writes to disk, so they run beside the
-tests. A second test stream at equal priority did not pay on 2 cores: two trainer runs side by side each took two
-to four times as long, and Ray and vLLM start-ups timed out under that load. SkyRL's checks therefore run at a
-lower priority, on the core the main stream leaves idle during its single-threaded imports and start-ups.
+tests; the test runs themselves go one after another. On 2 cores a second test stream did not pay: two trainer
+runs side by side each took two to four times as long, and Ray and vLLM start-ups timed out under that load.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ class Job:
     tests: bool = False  # a pytest run: its log is printed whole, its junit counts summed
     background: bool = False  # a service held for the other jobs (the Docker engine): stopped at the end
     ready: str = ""  # for a background job: the line its log holds once it serves
-    nice: int = 0  # a CPU priority below the main test stream's (`nice -n`): it takes the cores that stream leaves idle
     started: float = 0.0
     ended: float = 0.0
     process: subprocess.Popen | None = None
@@ -58,10 +56,10 @@ class Job:
         return LOGS / f"{self.name}.xml"
 
 
-def pytest_job(name: str, python: str, selection: list[str], after: list[str], workers: int, nice: int = 0) -> Job:
+def pytest_job(name: str, python: str, selection: list[str], after: list[str], workers: int) -> Job:
     parallel = ["-n", str(workers), "--dist", "loadgroup"] if workers > 1 else []
     command = [python, "-m", "pytest", *selection, *parallel, "--durations=12", f"--junitxml={LOGS / f'{name}.xml'}"]
-    return Job(name, command, after, tests=True, nice=nice)
+    return Job(name, command, after, tests=True)
 
 
 def make(name: str, target: str, after: tuple[str, ...] = ()) -> Job:
@@ -85,17 +83,14 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
         make("skyrl-env", "skyrl-env", ("venv",)),
         Job("engine", engine, ["system"], background=True, ready="engine-ready"),
         Job("images", ["bash", "-c", images], ["venv", "engine"]),
-        # One worker: most of these start Ray, servers and engines, each of which wants both cores.
+        # One worker: most of these start Ray, servers and engines, each of which wants both cores, and the second
+        # core serves the other stream (installs, images, the container and SkyRL tests).
         pytest_job("tests", PY, ["-m", "not docker", *pytest_args], ["lint", "system", "vllm-env"], workers=1),
-        # SkyRL's checks run beside it at a lower CPU priority, on what the main stream leaves idle (its imports and
-        # start-ups use one core at a time). At equal priority a second stream made Ray and vLLM start-ups time out
-        # (seen three times on the slow machines). At the lower priority a test may wait longer for the CPU: pytest's
-        # limit per test is raised for this stream.
-        pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", "--timeout=2700", *pytest_args],
-                   ["skyrl-env", "lint", "system", "vllm-env"], workers=1, nice=10),
-        # The containers run under the Docker engine, outside any priority set here: they wait for both.
-        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "tests", "skyrl-checks"],
-                   workers=1),
+        # The other test runs wait for the first: beside it, a Ray or vLLM start-up in a second test stream timed out
+        # (seen three times on the slow machines); the installs and the image build are what overlaps.
+        pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args],
+                   ["skyrl-env", "tests"], workers=1),
+        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "skyrl-checks"], workers=1),
     ]
 
 
@@ -131,10 +126,9 @@ class Runner:
     def start(self, job: Job) -> None:
         job.started = self.now()
         handle = open(job.log, "w")
-        command = ["nice", "-n", str(job.nice), *job.command] if job.nice else job.command
-        job.process = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT,
+        job.process = subprocess.Popen(job.command, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
-        self.say(f"start {job.name}: {' '.join(command)}")
+        self.say(f"start {job.name}: {' '.join(job.command)}")
 
     def ready(self, job: Job) -> bool:
         """A background job counts as done once its log holds its ready line."""
