@@ -73,6 +73,77 @@ def _export(env, *args):
                           cwd=REPO, check=True, capture_output=True, text=True, timeout=120)
 
 
+# The tests that start no server of their own, or one that must fail, come first: the module's vLLM server (below)
+# busy-polls a core while it is up, so it is started after them and stopped after its last test.
+
+
+def test_gpu_and_cpu_differ_only_in_accelerator_settings(tmp_path):
+    """`--dry-run` (the main venv, no vLLM needed) prints the Serve config after Ray's own schemas accepted it."""
+    import yaml
+
+    def dry_run(*overrides):
+        env = {**os.environ, "S3_URI": "s3://bucket/prefix", "SHARED_DIR": str(tmp_path)}
+        return subprocess.run([sys.executable, "-m", "services.server", "--engine", "vllm", "--dry-run", *overrides],
+                              env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    configs = {}
+    for accelerator, extra in (("cpu", []), ("gpu", ["server.accelerator_type=L40S"])):
+        proc = dry_run(f"server.accelerator={accelerator}", *extra)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        app = yaml.safe_load(proc.stdout)["applications"][0]
+        assert app["args"]["ingress_cls_config"]["ingress_cls"] == "services.server.llm_ingress:MazeIngress"
+        configs[accelerator] = app["args"]["llm_configs"][0]
+    cpu, gpu = configs["cpu"], configs["gpu"]
+    assert cpu.pop("accelerator_config") == {"kind": "cpu"} and gpu.pop("accelerator_type") == "L40S"
+    assert cpu == gpu, "only the accelerator settings may differ"
+    assert cpu["lora_config"]["dynamic_lora_loading_path"] == "s3://bucket/prefix/adapters"
+    no_kv = dry_run("server.accelerator=cpu", "server.kv_cache_bytes=null")
+    assert no_kv.returncode != 0 and no_kv.stderr.strip().splitlines()[-1].startswith("error: server.accelerator=cpu needs")
+
+
+def test_the_vllm_apps_s3_settings_reach_its_workers(monkeypatch, tmp_path):
+    """Ray's LoRA loader and the ingress read S3 in Ray workers: the endpoint, the region and (for an S3-compatible
+    server, when the environment has none) placeholder credentials travel in the app's config, not this process's
+    environment."""
+    from services.server.llm import app_args
+    from shared.config import load_config
+    from shared.storage.s3 import LOCAL_CREDENTIALS
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    cfg = load_config(None, [f"storage.shared_dir={tmp_path}", "cluster.region=eu-west-1"],
+                      environ={"S3_URI": "s3://b/p", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    args = app_args(cfg)
+    env_vars = args["llm_configs"][0]["runtime_env"]["env_vars"]
+    assert env_vars == {"AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://127.0.0.1:9", **LOCAL_CREDENTIALS}
+    ingress = args["ingress_cls_config"]["ingress_extra_kwargs"]
+    assert (ingress["endpoint_url"], ingress["region"]) == ("http://127.0.0.1:9", "eu-west-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "mine")
+    own = app_args(cfg)["llm_configs"][0]["runtime_env"]["env_vars"]
+    assert "AWS_ACCESS_KEY_ID" not in own, "credentials of one's own are never copied into the app config"
+    aws = load_config(None, [f"storage.shared_dir={tmp_path}"], environ={"S3_URI": "s3://b/p"})
+    assert "AWS_ENDPOINT_URL" not in app_args(aws)["llm_configs"][0]["runtime_env"]["env_vars"]
+
+
+@needs_vllm
+def test_an_engine_that_cannot_start_says_why_in_one_line(tiny_model_dir, s3_endpoint, shared_dir, tmp_path):
+    """A KV cache the model's context does not fit in: only vLLM's engine finds out, after its start-up. (A damaged
+    model is refused before any engine starts: test_hostile_input.py.)"""
+    from shared.storage.s3 import s3_client
+
+    if BUCKET not in {b["Name"] for b in s3_client(s3_endpoint).list_buckets()["Buckets"]}:
+        s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
+    overrides = _overrides(tiny_model_dir, _port(), "server.kv_cache_bytes=1048576")
+    proc, url = _start(_env(shared_dir, s3_endpoint), overrides, tmp_path / "server.log")
+    _stop(proc)
+    assert url is None and proc.returncode != 0
+    last = (tmp_path / "server.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("error: the vLLM engine did not start: ") and "kv cache" in last.lower(), last
+
+
 @pytest.fixture(scope="module")
 def wide_adapter(tiny_cfg, tiny_model_dir, tmp_path_factory):
     """A rank-64 LoRA export of the tiny model (the server takes rank <= 32)."""
@@ -203,70 +274,3 @@ def test_evaluator_against_vllm_scores_the_64_mazes_as_in_process_greedy(vllm_se
     assert [[s["text"] for s in e["steps"]] for e in episodes["vllm"]] == [[s["text"] for s in e["steps"]] for e in episodes["local"]]
     summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("vllm", "local")]
     assert summaries[0]["solved"] == summaries[1]["solved"]
-
-
-@needs_vllm
-def test_an_engine_that_cannot_start_says_why_in_one_line(tiny_model_dir, s3_endpoint, shared_dir, tmp_path):
-    """A KV cache the model's context does not fit in: only vLLM's engine finds out, after its start-up. (A damaged
-    model is refused before any engine starts: test_hostile_input.py.)"""
-    from shared.storage.s3 import s3_client
-
-    if BUCKET not in {b["Name"] for b in s3_client(s3_endpoint).list_buckets()["Buckets"]}:
-        s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
-    overrides = _overrides(tiny_model_dir, _port(), "server.kv_cache_bytes=1048576")
-    proc, url = _start(_env(shared_dir, s3_endpoint), overrides, tmp_path / "server.log")
-    _stop(proc)
-    assert url is None and proc.returncode != 0
-    last = (tmp_path / "server.log").read_text().strip().splitlines()[-1]
-    assert last.startswith("error: the vLLM engine did not start: ") and "kv cache" in last.lower(), last
-
-
-def test_gpu_and_cpu_differ_only_in_accelerator_settings(tmp_path):
-    """`--dry-run` (the main venv, no vLLM needed) prints the Serve config after Ray's own schemas accepted it."""
-    import yaml
-
-    def dry_run(*overrides):
-        env = {**os.environ, "S3_URI": "s3://bucket/prefix", "SHARED_DIR": str(tmp_path)}
-        return subprocess.run([sys.executable, "-m", "services.server", "--engine", "vllm", "--dry-run", *overrides],
-                              env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
-
-    configs = {}
-    for accelerator, extra in (("cpu", []), ("gpu", ["server.accelerator_type=L40S"])):
-        proc = dry_run(f"server.accelerator={accelerator}", *extra)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        app = yaml.safe_load(proc.stdout)["applications"][0]
-        assert app["args"]["ingress_cls_config"]["ingress_cls"] == "services.server.llm_ingress:MazeIngress"
-        configs[accelerator] = app["args"]["llm_configs"][0]
-    cpu, gpu = configs["cpu"], configs["gpu"]
-    assert cpu.pop("accelerator_config") == {"kind": "cpu"} and gpu.pop("accelerator_type") == "L40S"
-    assert cpu == gpu, "only the accelerator settings may differ"
-    assert cpu["lora_config"]["dynamic_lora_loading_path"] == "s3://bucket/prefix/adapters"
-    no_kv = dry_run("server.accelerator=cpu", "server.kv_cache_bytes=null")
-    assert no_kv.returncode != 0 and no_kv.stderr.strip().splitlines()[-1].startswith("error: server.accelerator=cpu needs")
-
-
-def test_the_vllm_apps_s3_settings_reach_its_workers(monkeypatch, tmp_path):
-    """Ray's LoRA loader and the ingress read S3 in Ray workers: the endpoint, the region and (for an S3-compatible
-    server, when the environment has none) placeholder credentials travel in the app's config, not this process's
-    environment."""
-    from services.server.llm import app_args
-    from shared.config import load_config
-    from shared.storage.s3 import LOCAL_CREDENTIALS
-
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    cfg = load_config(None, [f"storage.shared_dir={tmp_path}", "cluster.region=eu-west-1"],
-                      environ={"S3_URI": "s3://b/p", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
-    args = app_args(cfg)
-    env_vars = args["llm_configs"][0]["runtime_env"]["env_vars"]
-    assert env_vars == {"AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://127.0.0.1:9", **LOCAL_CREDENTIALS}
-    ingress = args["ingress_cls_config"]["ingress_extra_kwargs"]
-    assert (ingress["endpoint_url"], ingress["region"]) == ("http://127.0.0.1:9", "eu-west-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "mine")
-    own = app_args(cfg)["llm_configs"][0]["runtime_env"]["env_vars"]
-    assert "AWS_ACCESS_KEY_ID" not in own, "credentials of one's own are never copied into the app config"
-    aws = load_config(None, [f"storage.shared_dir={tmp_path}"], environ={"S3_URI": "s3://b/p"})
-    assert "AWS_ENDPOINT_URL" not in app_args(aws)["llm_configs"][0]["runtime_env"]["env_vars"]
