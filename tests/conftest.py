@@ -193,6 +193,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """Ends a service started with start_new_session=True: SIGTERM to its group, SIGKILL after grace_s; a no-op once
+    it has exited."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="session")
 def server(exported_run, tiny_model_dir, s3_endpoint, tmp_path_factory):
     """The real server (python -m services.server) on loopback with a key, serving the exported run's adapters.
@@ -222,12 +233,7 @@ def server(exported_run, tiny_model_dir, s3_endpoint, tmp_path_factory):
         assert proc.poll() is None, "server exited: " + Path(log.name).read_text()[-3000:]
 
     def stop():
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc, grace_s=30)
 
     _stoppers["server"] = stop
     wait_for_http(f"{url}/healthz", timeout_s=240, alive=alive)

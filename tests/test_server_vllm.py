@@ -3,7 +3,6 @@
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import stop_process_group
 from request_cases import check, shared_cases
 
 from shared.maze import generate
@@ -55,12 +55,7 @@ def _start(env, overrides, log_path: Path, timeout_s=480):
 
 
 def _stop(proc):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    stop_process_group(proc, grace_s=60)
 
 
 def _overrides(model_dir, port, *extra):

@@ -47,7 +47,6 @@ def ray_head(tmp_path_factory):
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     cluster_storage = tmp_path_factory.mktemp("cluster") / "shared"  # the cluster's /shared
     cluster_storage.mkdir(mode=0o755)
-    cluster_storage.parent.chmod(0o755)
     subprocess.run([ray_cli, "start", "--head", "--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=2",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}",
                     # its own agent port: the default (52365) may be held by another Ray on this machine
