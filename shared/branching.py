@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from shared.episodes import Episode, EpisodeSettings, start_episodes
 from shared.maze.actions import Action
-from shared.maze.core import MOVES, Maze
+from shared.maze.core import Maze, moves_ahead
 from shared.maze.prompt import solver_reply
 
 ACTIONS: list[Action] = [("move", d) for d in range(4)] + [("stop", "stop")]
@@ -46,18 +46,9 @@ def branch(episode: Episode, turn: int, reply: str, settings: EpisodeSettings) -
     return fresh
 
 
-def open_moves(maze: Maze, position: tuple[int, int]) -> list[int]:
-    """Returns the move directions that do not run into a wall at `position`."""
-    return [d for d, (dr, dc) in MOVES.items() if maze.maze_map[position[0] + dr, position[1] + dc] == 0]
-
-
 def is_junction(maze: Maze, position: tuple[int, int], previous: tuple[int, int] | None) -> bool:
-    """Returns True where the agent has a real choice: two or more open moves besides going back to `previous`
-    (the cell it came from; None, or its own cell after a wasted turn, when there is none)."""
-    back = None
-    if previous is not None and tuple(previous) != tuple(position):
-        back = next(d for d, (dr, dc) in MOVES.items() if (position[0] + dr, position[1] + dc) == tuple(previous))
-    return len([d for d in open_moves(maze, position) if d != back]) >= 2
+    """Returns True where the agent has a real choice: two or more open moves besides going back to `previous`."""
+    return len(moves_ahead(maze, position, previous)) >= 2
 
 
 def solver_decisions(engine, mazes: list[Maze], settings: EpisodeSettings) -> list[dict]:

@@ -124,6 +124,38 @@ def test_first_mistake_names_the_first_move_a_perfect_agent_would_not_make():
     assert first_mistake(maze, perfect + [left]) == {"turn": len(perfect), "kind": "missed_stop"}
 
 
+def test_the_explorer_follows_corridors_and_picks_junctions_uniformly_with_no_eye_for_the_target():
+    """The interface warm start's demonstrations: never a wall, never back the way it came except out of a dead end,
+    stops moving on the target, and at a junction every open way ahead about equally often, target-ward or not."""
+    import random
+    from collections import Counter
+
+    from shared.maze.core import explore_walk
+
+    toward, away = Counter(), Counter()
+    for seed in range(600):
+        maze = generate("maze_2d/easy", seed)
+        moves = explore_walk(maze, random.Random(seed), 14)
+        cell, previous = maze.agent, None
+        for index, d in enumerate(moves):
+            assert cell != maze.target, "it moved on after reaching the target"
+            ways = [w for w, (dr, dc) in MOVES.items() if maze.maze_map[cell[0] + dr, cell[1] + dc] == 0]
+            ahead = [w for w in ways if (cell[0] + MOVES[w][0], cell[1] + MOVES[w][1]) != previous]
+            assert d in (ahead or ways), f"seed {seed}, move {index}: {d} is a wall or a needless turn back"
+            if len(ahead) >= 2:  # a junction: count target-ward choices against the rest
+                here = abs(cell[0] - maze.target[0]) + abs(cell[1] - maze.target[1])
+                nearer = {w for w in ahead if abs(cell[0] + MOVES[w][0] - maze.target[0])
+                          + abs(cell[1] + MOVES[w][1] - maze.target[1]) < here}
+                if 0 < len(nearer) < len(ahead):
+                    (toward if d in nearer else away)[len(ahead)] += 1
+            previous, cell = cell, (cell[0] + MOVES[d][0], cell[1] + MOVES[d][1])
+        assert len(moves) == 14 or cell == maze.target
+    # Two-way junctions with one way nearer the target: uniform choice takes it about half the time (the solver,
+    # by construction, always would).
+    share = toward[2] / (toward[2] + away[2])
+    assert toward[2] + away[2] > 400 and 0.42 < share < 0.58, (toward, away)
+
+
 def test_path_progress_follows_the_shortest_path_not_the_straight_line():
     maze = generate("maze_2d/easy", 2)
     path = solve(maze)

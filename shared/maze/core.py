@@ -160,6 +160,30 @@ def solve(maze: Maze, start: tuple[int, int] | None = None) -> list[int]:
     return moves
 
 
+def open_moves(maze: Maze, position: tuple[int, int]) -> list[int]:
+    """Returns the move directions that do not run into a wall at `position`."""
+    return [d for d, (dr, dc) in MOVES.items() if maze.maze_map[position[0] + dr, position[1] + dc] == 0]
+
+
+def moves_ahead(maze: Maze, position: tuple[int, int], previous: tuple[int, int] | None) -> list[int]:
+    """Returns the open moves at `position` other than going back to `previous` (the cell the agent came from; None,
+    or its own cell after a wasted turn, when there is none). Two or more: a junction."""
+    return [d for d in open_moves(maze, position)
+            if previous is None or (position[0] + MOVES[d][0], position[1] + MOVES[d][1]) != tuple(previous)]
+
+
+def explore_walk(maze: Maze, rng: random.Random, max_moves: int) -> list[int]:
+    """Returns the moves of an explorer with no target preference and no planning: it follows corridors, turns
+    back only at a dead end, picks uniformly among the open non-reverse moves at a junction, and stops moving
+    once it stands on the target (or after `max_moves`). What the interface warm start imitates."""
+    cell, previous, moves = maze.agent, None, []
+    while cell != maze.target and len(moves) < max_moves:
+        d = rng.choice(moves_ahead(maze, cell, previous) or open_moves(maze, cell))
+        previous, cell = cell, (cell[0] + MOVES[d][0], cell[1] + MOVES[d][1])
+        moves.append(d)
+    return moves
+
+
 def fewest_actions(env_id: str) -> int:
     """Returns the fewest actions any maze of `env_id` needs: start and target sit in opposite corners, so the
     shortest path is at least the corner-to-corner Manhattan distance, plus `stop`."""
