@@ -77,7 +77,7 @@ test: ## Installs what it needs, then lint and every test, installs and test pha
 tiny-model: setup ## Build the tiny Qwen3-VL into $SHARED_DIR/models/tiny-qwen3vl
 	$(PY) -m shared.models.tiny --config $(CONFIG) $(ARGS)
 
-sft: setup ## Supervised warm-start of the tiny model on solver trajectories, then the held-out eval
+sft: setup ## Supervised warm start of the tiny model (sft.demos: solver or explore), then the held-out eval
 	$(PY) -m services.trainer.sft --config $(CONFIG) $(ARGS)
 
 train: setup ## The main job: GRPO on the embedded default profile (builds tiny model + SFT when missing)

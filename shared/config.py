@@ -166,6 +166,10 @@ class LoraConfig(Section):
 
 
 class SftConfig(Section):
+    demos: Literal["explore", "solver"] = Field(
+        "solver", description="explore: demonstrations that follow corridors and choose junctions at random (the warm "
+        "start learns the interface, GRPO learns to navigate); solver: the shortest path (the warm start imitates the "
+        "optimal solver)")
     num_mazes: int = Field(3000, ge=1)
     epochs: int = Field(1, ge=1)
     lr: float = Field(2e-3, gt=0, le=1)
@@ -451,7 +455,9 @@ def settings_hash(settings: dict[str, Any]) -> str:
 
 
 def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Returns 'key (old -> new)' for every key whose value differs between two settings dicts."""
+    """Returns 'key (old -> new)' for every key whose value differs between two settings dicts. A key the record
+    predates counts as its schema default (a setting added later, left at its default, changes nothing)."""
+    recorded = {**{k: v for k, v in flat_settings(RunConfig()).items() if k in current}, **recorded}
     keys = sorted(set(recorded) | set(current))
     missing = object()
     return [f"{k} ({recorded.get(k, 'unset')!r} -> {current.get(k, 'unset')!r})" for k in keys

@@ -136,19 +136,34 @@ def start_episodes(mazes: list[Maze], settings: EpisodeSettings) -> list[Episode
 
 def solver_episode(maze: Maze, settings: EpisodeSettings) -> Episode:
     """Returns the episode a perfect agent plays on `maze`: the solver's replies through the same turn protocol
-    every rollout goes through (what the SFT warm start learns from, and what teacher-forced scores follow)."""
+    every rollout goes through (what the solver warm start learns from, and what teacher-forced scores follow)."""
     from shared.maze.core import solve
+
+    return demonstration(maze, settings, solve(maze), "solver")
+
+
+def explore_episode(maze: Maze, settings: EpisodeSettings, rng) -> Episode:
+    """Returns the episode of an explorer on `maze` (`explore_walk`: corridors followed, junctions chosen uniformly,
+    no target preference), stopping when it stands on the target: what the interface warm start learns from."""
+    from shared.maze.core import explore_walk
+
+    return demonstration(maze, settings, explore_walk(maze, rng, settings.max_turns - 1), "explorer")
+
+
+def demonstration(maze: Maze, settings: EpisodeSettings, moves: list[int], planner: str) -> Episode:
+    """Plays `moves` on `maze`, then `stop` if they end on the target, through the rollouts' turn protocol."""
     from shared.maze.prompt import solver_reply
     from shared.models.inference import Completion
 
     episode = start_episodes([maze], settings)[0]
-    for action in [("move", d) for d in solve(maze)] + [("stop", "stop")]:
-        if episode.session.done:
+    for action in [("move", d) for d in moves] + [("stop", "stop")]:
+        if episode.session.done or (action[0] == "stop" and episode.session.state.position != maze.target):
             break
-        reply = solver_reply(episode.session.state.view(), action, settings.response_format, settings.action_style)
+        reply = solver_reply(episode.session.state.view(), action, settings.response_format, settings.action_style,
+                             planner)
         episode.take(Completion(reply, []), keep_samples=True)
         if episode.turns[-1]["action"] != list(action):
-            raise RuntimeError(f"the solver's reply {reply!r} reads as {episode.turns[-1]['action']}, not {action}")
+            raise RuntimeError(f"the {planner}'s reply {reply!r} reads as {episode.turns[-1]['action']}, not {action}")
     return episode
 
 

@@ -285,6 +285,10 @@ def test_two_step_run_writes_every_artifact(trained):
     assert summary["sft_seeds"] == sft_summary["sft_seeds"] and summary["rl_seeds"] == "2000000-2000003"
     assert "# rl_seeds: 2000000-2000003" in (run / "run.yaml").read_text()
     assert "== full: 2 GRPO steps" in proc.stdout and "extended 8" in proc.stdout
+    # The summary, the page and the plot's title name the warm start the run started from, and what it imitated.
+    assert sft_summary["sft_settings"]["sft.demos"] == "solver"
+    assert summary["warm_start"] == "tiny-qwen3vl-sft (sft.demos=solver: imitates the optimal solver)"
+    assert f"warm start: {summary['warm_start']}" in proc.stdout and "imitates the optimal solver" in page
 
 
 @pytest.mark.slow
@@ -494,17 +498,17 @@ def test_sft_sample_context_is_what_the_rollout_engine_reads(tiny_cfg, tiny):
     model read before replying (the memory guard counts the exchanges before the reply, never the reply itself)."""
     import random
 
-    from services.trainer.sft import expert_conversation, turn_samples
+    from services.trainer.sft import demo_conversation, turn_samples
     from shared.maze import generate
     from shared.models.inference import LocalEngine
 
     model, processor = tiny
     engine = LocalEngine.for_model(tiny_cfg, model, processor, name="tiny")
     assert tiny_cfg.model.max_turns_in_context == 2, "the profile's guard: this test needs turns past it"
-    messages = expert_conversation(generate("maze_2d/easy", 7), tiny_cfg)
+    messages = demo_conversation(generate("maze_2d/easy", 7), tiny_cfg)
     samples = turn_samples(processor, messages, tiny_cfg, keep=1.0, rng=random.Random(0))
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    assert len(samples) == len(replies) == 13
+    assert len(samples) == len(replies) > tiny_cfg.model.max_turns_in_context + 1
     completions = engine.generate([messages[:i] for i in replies], temperature=0.0, max_new_tokens=1)
     for turn, (sample, completion, index) in enumerate(zip(samples, completions, replies)):
         context = sample.response_mask.index(1)

@@ -32,7 +32,7 @@ from services.trainer.checkpoints import (
     save_adapter,
     save_checkpoint,
 )
-from services.trainer.report import run_summary, write_run_report
+from services.trainer.report import run_summary, warm_start_kind, write_run_report
 from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy
 from services.trainer.sft import ensure_sft
 from shared.branching import junction_accuracy, solver_decisions
@@ -662,8 +662,8 @@ class Trainer:
         extended = {0: self.extended_evals(0), step: self.extended_evals(step)} if self.extended and step else {}
         steps = sorted(self.history)
         sft_eval = self.volume.model(cfg.model.path) / "eval" / "summary.json"
-        data = {"sft_seeds": json.loads(sft_eval.read_text()).get("sft_seeds") if sft_eval.exists() else None,
-                "rl_seeds": self.stream.seed_range()}
+        sft_summary = json.loads(sft_eval.read_text()) if sft_eval.exists() else {}
+        data = {"sft_seeds": sft_summary.get("sft_seeds"), "rl_seeds": self.stream.seed_range()}
         atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg) + "".join(
             f"# {name}: {value or 'none drawn'}  (seeds drawn, inclusive; written at the end of the run)\n"
             for name, value in data.items()))
@@ -681,7 +681,8 @@ class Trainer:
                   "first_eval": self.history[steps[0]]["solve_rate"] if steps else None,
                   "final_eval": self.history[steps[-1]]["solve_rate"] if steps else None,
                   "curve": {str(s): self.history[s]["solve_rate"] for s in steps}, "comparisons": comparisons,
-                  "settings_hash": settings_hash(self.settings), "reward": cfg.env.reward, "machine": machine_info()}
+                  "settings_hash": settings_hash(self.settings), "reward": cfg.env.reward, "machine": machine_info(),
+                  "warm_start": warm_start_kind(cfg.model.path, sft_summary)}
         if steps:
             write_run_report(self.run_dir, result, read_jsonl(self.volume.metrics(run_id)), self.history)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(result, indent=2) + "\n")

@@ -21,6 +21,16 @@ def _rate(end: dict) -> str:
             f"[{100 * end['ci_low']:.1f}-{100 * end['ci_high']:.1f}]")
 
 
+def warm_start_kind(path: str, sft_summary: dict) -> str:
+    """Names the warm start a run started from: its folder and, when this project's SFT built it, its demonstrations."""
+    settings = sft_summary.get("sft_settings")
+    if settings is None:
+        return f"{path} (not built by this project's SFT)"
+    demos = settings.get("sft.demos", "solver")  # warm starts built before the setting existed imitated the solver
+    what = {"explore": "interface: explorer demonstrations, no route taught", "solver": "imitates the optimal solver"}
+    return f"{path} (sft.demos={demos}: {what.get(demos, demos)})"
+
+
 def summary_rows(result: dict) -> list[list[str]]:
     """Returns the summary table: a header, then one row per comparison (warm start, final, change, ceiling)."""
     table = [["", "warm start (95% CI)", "final (95% CI)", "change (paired 95% CI, p)", "ceiling"]]
@@ -36,7 +46,8 @@ def run_summary(result: dict) -> str:
     """Returns the end-of-run block: warm start vs final per eval set, the ceiling, the curve, the wall time."""
     table = summary_rows(result)
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = [f"== {result['run_id']}: {result['steps']} GRPO steps, {result['wall_s'] / 60:.1f} min wall =="]
+    lines = [f"== {result['run_id']}: {result['steps']} GRPO steps, {result['wall_s'] / 60:.1f} min wall ==",
+             f"warm start: {result.get('warm_start') or 'n/a'}"]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table]
     curve = " -> ".join(f"{s}: {100 * r:.1f}%" for s, r in result["curve"].items())
     lines.append(f"held-out curve (step: solve rate): {curve}")
@@ -73,7 +84,8 @@ def write_run_report(run_dir: Path, result: dict, metrics: list[dict], history: 
                     "rates": [m["train/solve_rate"] for m in metrics]}
     png = run_dir / "solve_rate_vs_step.png"
     plot_solve_rate(png, steps, [history[s]["solve_rate"] for s in steps],
-                    history[steps[0]]["oracle_solved"] / history[steps[0]]["total"], result["run_id"], series, training)
+                    history[steps[0]]["oracle_solved"] / history[steps[0]]["total"],
+                    f"{result['run_id']}, from {(result.get('warm_start') or 'n/a').split(' (')[0]}", series, training)
     rows = summary_rows(result)
     table = "".join("<tr>" + "".join(f"<t{'h' if i == 0 else 'd'}>{html.escape(cell)}</t{'h' if i == 0 else 'd'}>"
                                      for cell in row) + "</tr>" for i, row in enumerate(rows))
@@ -83,7 +95,7 @@ def write_run_report(run_dir: Path, result: dict, metrics: list[dict], history: 
 padding:4px 8px;text-align:left}}</style></head><body>
 <h1>{html.escape(result['run_id'])}: {result['steps']} GRPO steps</h1>
 <p>Warm start (the adapter switched off) against the final policy, maze by maze; changes with their paired 95%
-interval. Wall time {result['wall_s'] / 60:.1f} min; settings {html.escape(result.get('settings_hash') or '')}.</p>
+interval. Warm start: {html.escape(result.get('warm_start') or 'n/a')}. Wall time {result['wall_s'] / 60:.1f} min; settings {html.escape(result.get('settings_hash') or '')}.</p>
 <table>{table}</table>
 <p><img alt="held-out solve rate per step and success on the training mazes" src="data:image/png;base64,{picture}"></p>
 <p>Machine: {html.escape(json.dumps(result.get('machine') or {}))}</p>

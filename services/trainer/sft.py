@@ -1,4 +1,4 @@
-"""Supervised warm-start: teach the tiny Qwen3-VL the task format and partial competence from solver play.
+"""Supervised warm start: teach the tiny Qwen3-VL the interface (and, with `sft.demos: solver`, the solver's route).
 
     python -m services.trainer.sft --config configs/tiny-cpu.yaml     (what `make sft` runs)
 
@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from shared.config import ConfigError, RunConfig, changed_settings, command_line, config_from_args, sft_settings
-from shared.episodes import EpisodeSettings, solver_episode
+from shared.episodes import EpisodeSettings, explore_episode, solver_episode
 from shared.evaluation import describe, evaluate
 from shared.maze.core import Maze
 from shared.maze.dataset import EvalSet, MazeStream, excluded_from_training
@@ -33,9 +33,13 @@ from shared.storage.manifest import is_complete
 from shared.storage.volume import SharedVolume
 
 
-def expert_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
-    """Returns the conversation of a perfect agent on `maze` (`solver_episode`: the rollouts' turn protocol)."""
-    return solver_episode(maze, EpisodeSettings.from_config(cfg)).messages
+def demo_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
+    """Returns the demonstration on `maze` that `sft.demos` names, through the rollouts' turn protocol: the optimal
+    solver's, or an explorer's (its junction choices drawn from a stream of the run's seed and the maze's)."""
+    settings = EpisodeSettings.from_config(cfg)
+    if cfg.sft.demos == "solver":
+        return solver_episode(maze, settings).messages
+    return explore_episode(maze, settings, random.Random(f"{cfg.seed}/{maze.seed}")).messages
 
 
 def turn_samples(processor, messages: list[dict], cfg: RunConfig, keep: float, rng: random.Random) -> list[TrainingSample]:
@@ -87,7 +91,7 @@ def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
     except ValueError as exc:
         raise ConfigError(f"config error: {exc}") from None
     for maze in tqdm(mazes, desc="sft data", unit="maze", leave=False):
-        samples.extend(turn_samples(processor, expert_conversation(maze, cfg), cfg, sft.train_fraction_of_turns, rng))
+        samples.extend(turn_samples(processor, demo_conversation(maze, cfg), cfg, sft.train_fraction_of_turns, rng))
     log(f"sft: {len(samples)} turn samples from {sft.num_mazes} mazes, seeds {stream.seed_range()} "
         f"({stream.rejected} candidates rejected as held-out mazes) in {time.perf_counter() - started:.0f}s")
 

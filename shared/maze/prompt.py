@@ -76,8 +76,10 @@ def task_prompt(maze: Maze, response_format: str = "plain", action_style: str = 
     )
 
 
-def solver_reply(view: Maze, action: Action, response_format: str = "plain", action_style: str = "tuple") -> str:
-    """Returns the assistant turn an expert writes at `view` (used for SFT; the same format RL samples)."""
+def solver_reply(view: Maze, action: Action, response_format: str = "plain", action_style: str = "tuple",
+                 planner: str = "solver") -> str:
+    """Returns the assistant turn a demonstrator writes at `view` (used for SFT; the same format RL samples): the
+    solver's, or (`planner="explorer"`) one that gives no route as its reason."""
     action_text = format_action(action, action_style)
     if response_format != "tagged":
         return action_text
@@ -85,7 +87,8 @@ def solver_reply(view: Maze, action: Action, response_format: str = "plain", act
     if action[0] == "stop":
         why = "I am on the target, so I stop."
     else:
-        why = f"The shortest open path continues {DIRECTION_NAMES[int(action[1])]}."
+        way = DIRECTION_NAMES[int(action[1])]
+        why = f"The shortest open path continues {way}." if planner == "solver" else f"I explore the open way {way}."
     return f"<observation>{where}</observation><justification>{why}</justification><action>{action_text}</action>"
 
 
