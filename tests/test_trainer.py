@@ -493,6 +493,49 @@ def test_sft_does_fixed_work_whatever_the_machine_speed(tiny_cfg, tiny_model_dir
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
+def test_sft_demos_choose_the_solver_or_the_explorer_and_a_warm_start_remembers_which(tmp_path):
+    """sft.demos=solver demonstrates the shortest path and stop; explore, the explorer's walk from a stream of the
+    run's seed and the maze's, with stop only where it ends on the target. A warm start built with one refuses a
+    profile asking for the other; one built before the setting existed counts as the solver's."""
+    import random
+
+    from services.trainer.sft import check_built_with, demo_conversation
+    from shared.config import ConfigError, load_config, sft_settings
+    from shared.maze import generate, solve
+    from shared.maze.core import MOVES, explore_walk
+
+    def replies(messages):
+        return [m["content"][0]["text"] for m in messages if m["role"] == "assistant"]
+
+    solver, explore = (load_config(REPO / "configs" / "tiny-cpu.yaml", [f"sft.demos={kind}"], environ={})
+                       for kind in ("solver", "explore"))
+    reached = 0
+    for seed in range(40):
+        maze = generate("maze_2d/easy", seed)
+        if len(solve(maze)) < solver.env.max_turns:
+            assert replies(demo_conversation(maze, solver)) == [f"('move', {d})" for d in solve(maze)] + ["('stop', 'stop')"]
+        walk = explore_walk(maze, random.Random(f"{explore.seed}/{maze.seed}"), explore.env.max_turns - 1)
+        position = maze.agent
+        for d in walk:
+            position = (position[0] + MOVES[d][0], position[1] + MOVES[d][1])
+        stop = ["('stop', 'stop')"] if position == maze.target else []
+        reached += bool(stop)
+        assert replies(demo_conversation(maze, explore)) == [f"('move', {d})" for d in walk] + stop
+    assert 0 < reached < 40, "some walks end on the target (and stop), most do not"
+
+    built = tmp_path / "model"
+    (built / "eval").mkdir(parents=True)
+    (built / "eval" / "summary.json").write_text(json.dumps({"sft_settings": sft_settings(solver)}))
+    check_built_with(built, solver)
+    with pytest.raises(ConfigError, match=r"sft\.demos \('solver' -> 'explore'\)"):
+        check_built_with(built, explore)
+    older = {k: v for k, v in sft_settings(solver).items() if k != "sft.demos"}
+    (built / "eval" / "summary.json").write_text(json.dumps({"sft_settings": older}))
+    check_built_with(built, solver)
+    with pytest.raises(ConfigError, match=r"sft\.demos"):
+        check_built_with(built, explore)
+
+
 def test_sft_sample_context_is_what_the_rollout_engine_reads(tiny_cfg, tiny):
     """Every SFT turn is trained in the context a rollout plays that turn in: token for token the ids the engine's
     model read before replying (the memory guard counts the exchanges before the reply, never the reply itself)."""
