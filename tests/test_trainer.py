@@ -289,6 +289,14 @@ def test_two_step_run_writes_every_artifact(trained):
     assert sft_summary["sft_settings"]["sft.demos"] == "solver"
     assert summary["warm_start"] == "tiny-qwen3vl-sft (sft.demos=solver: imitates the optimal solver)"
     assert f"warm start: {summary['warm_start']}" in proc.stdout and "imitates the optimal solver" in page
+    # The run ends saying where its results landed: report, plot, the best export and the commands for it.
+    landed = proc.stdout[proc.stdout.index("where it landed:"):]
+    assert f"report   {run / 'report.html'}" in landed and f"plot     {run / 'solve_rate_vs_step.png'}" in landed
+    rates = {s: json.loads((run / "evals" / f"global_step_{s}" / "summary.json").read_text())["solve_rate"] for s in (1, 2)}
+    best = max(rates, key=lambda s: (rates[s], s))
+    assert f"best export (step {best}, held-out {100 * rates[best]:.1f}%)  {run / 'exports' / f'global_step_{best}' / 'policy'}" in landed
+    assert f'make eval RUN=full ARGS="--adapter {run / "exports" / f"global_step_{best}" / "policy"}"' in landed
+    assert 'make export RUN=full ARGS="--alias full-best --pick best"' in landed
 
 
 @pytest.mark.slow

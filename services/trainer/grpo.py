@@ -32,7 +32,7 @@ from services.trainer.checkpoints import (
     save_adapter,
     save_checkpoint,
 )
-from services.trainer.report import run_summary, warm_start_kind, write_run_report
+from services.trainer.report import landed, run_summary, warm_start_kind, write_run_report
 from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy
 from services.trainer.sft import ensure_sft
 from shared.branching import junction_accuracy, solver_decisions
@@ -687,6 +687,7 @@ class Trainer:
             write_run_report(self.run_dir, result, read_jsonl(self.volume.metrics(run_id)), self.history)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(result, indent=2) + "\n")
         self.log(run_summary(result))
+        self.log("\n".join(landed(self.run_dir, run_id, self.history)))
         return result
 
     # ---- plumbing -----------------------------------------------------------------------------------

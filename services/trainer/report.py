@@ -69,6 +69,24 @@ def run_summary(result: dict) -> str:
     return "\n".join(dict.fromkeys(lines))  # an eval folder shared by two rows warns once
 
 
+def landed(run_dir: Path, run_id: str, history: dict[int, dict]) -> list[str]:
+    """Returns the lines that say where a run's results landed: the report, the plot, the best export (the highest
+    held-out solve rate among the exported steps, the later on a tie) and the commands that score and serve it."""
+    exports = {int(d.parent.name.rsplit("_", 1)[1]): d for d in (run_dir / "exports").glob("global_step_*/policy")
+               if (d / "manifest.json").is_file()}
+    lines = ["where it landed:", f"  report   {run_dir / 'report.html'}", f"  plot     {run_dir / 'solve_rate_vs_step.png'}",
+             f"  summary  {run_dir / 'summary.json'}"]
+    scored = [s for s in exports if s in history]
+    if exports:
+        best = max(scored or exports, key=lambda s: (history[s]["solve_rate"] if s in history else -1, s))
+        rate = f", held-out {100 * history[best]['solve_rate']:.1f}%" if best in history else ""
+        lines += [f"  best export (step {best}{rate})  {exports[best]}",
+                  f"  score it:  make eval RUN={run_id} ARGS=\"--adapter {exports[best]}\"",
+                  f"  serve it:  make export RUN={run_id} ARGS=\"--alias {run_id}-best --pick best\", then make serve "
+                  f"(the adapter is then {run_id}-best beside the base model)"]
+    return lines
+
+
 def write_run_report(run_dir: Path, result: dict, metrics: list[dict], history: dict[int, dict]) -> None:
     """Writes the run's solve_rate_vs_step.png and report.html (an offline page: the table, the curves)."""
     steps = sorted(history)
