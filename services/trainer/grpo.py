@@ -56,7 +56,7 @@ from shared.models.loading import MergedCopy
 from shared.models.training import TrainingSample, collate, token_logprobs
 from shared.storage.files import append_jsonl, atomic_write_text, read_jsonl, staged_dir
 from shared.storage.manifest import model_identity
-from shared.storage.volume import SharedVolume, latest_complete_step, step_dirs
+from shared.storage.volume import SharedVolume, complete_exports, latest_complete_step, step_dirs
 
 # ---- the math ---------------------------------------------------------------------------------------
 
@@ -687,7 +687,7 @@ class Trainer:
             write_run_report(self.run_dir, result, read_jsonl(self.volume.metrics(run_id)), self.history)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(result, indent=2) + "\n")
         self.log(run_summary(result))
-        self.log("\n".join(landed(self.run_dir, run_id, self.history)))
+        self.log("\n".join(landed(self.run_dir, run_id, self.history, complete_exports(self.volume, run_id))))
         return result
 
     # ---- plumbing -----------------------------------------------------------------------------------

@@ -69,19 +69,19 @@ def run_summary(result: dict) -> str:
     return "\n".join(dict.fromkeys(lines))  # an eval folder shared by two rows warns once
 
 
-def landed(run_dir: Path, run_id: str, history: dict[int, dict]) -> list[str]:
-    """Returns the lines that say where a run's results landed: the report, the plot, the best export (the highest
-    held-out solve rate among the exported steps, the later on a tie) and the commands that score and serve it."""
-    exports = {int(d.parent.name.rsplit("_", 1)[1]): d for d in (run_dir / "exports").glob("global_step_*/policy")
-               if (d / "manifest.json").is_file()}
+def landed(run_dir: Path, run_id: str, history: dict[int, dict], exports: list[tuple[int, Path]]) -> list[str]:
+    """Returns the lines that say where a run's results landed: the report, the plot, the best of `exports` ((step,
+    policy folder), as `complete_exports` lists them: the highest held-out solve rate among the scored steps, the
+    later on a tie; else the latest) and the commands that score and serve it."""
     lines = ["where it landed:", f"  report   {run_dir / 'report.html'}", f"  plot     {run_dir / 'solve_rate_vs_step.png'}",
              f"  summary  {run_dir / 'summary.json'}"]
-    scored = [s for s in exports if s in history]
     if exports:
-        best = max(scored or exports, key=lambda s: (history[s]["solve_rate"] if s in history else -1, s))
-        rate = f", held-out {100 * history[best]['solve_rate']:.1f}%" if best in history else ""
-        lines += [f"  best export (step {best}{rate})  {exports[best]}",
-                  f"  score it:  make eval RUN={run_id} ARGS=\"--adapter {exports[best]}\"",
+        folders = dict(exports)
+        scored = [s for s in folders if s in history]
+        best = max(scored, key=lambda s: (history[s]["solve_rate"], s)) if scored else max(folders)
+        rate = f", held-out {100 * history[best]['solve_rate']:.1f}%" if scored else ""
+        lines += [f"  best export (step {best}{rate})  {folders[best]}",
+                  f"  score it:  make eval RUN={run_id} ARGS=\"--adapter {folders[best]}\"",
                   f"  serve it:  make export RUN={run_id} ARGS=\"--alias {run_id}-best --pick best\", then make serve "
                   f"(the adapter is then {run_id}-best beside the base model)"]
     return lines
