@@ -5,6 +5,7 @@ SkyRL's own code checks the same overrides in tests/skyrl_checks (run in .venv-s
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,20 +49,48 @@ def test_data_files_hold_the_training_stream_and_the_eval_set(tmp_path):
     assert len(train_rows) == 24 * 2 * 2 and not {r["seed"] for r in train_rows} & set(range(64))
 
 
-def test_dry_run_prints_and_records_overrides(tmp_path):
-    env = {**os.environ, "SHARED_DIR": str(tmp_path)}
+def test_dry_run_prints_the_overrides_and_writes_only_to_a_temp_folder(tmp_path):
+    """A dry run works on a laptop without the profile's volume: the overrides name the run's data files, and the
+    data, the overrides and the command land in a temp folder (its last line), never on the volume."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    env = {**os.environ, "SHARED_DIR": str(shared)}
     proc = subprocess.run([sys.executable, "-m", "services.trainer", "--backend", "skyrl", "--config",
-                           "configs/qwen3vl-8b-hyperpod.yaml", "--dry-run", f"storage.shared_dir={tmp_path}"],
+                           "configs/qwen3vl-8b-hyperpod.yaml", "--dry-run", f"storage.shared_dir={shared}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert "generator.vision_language_generator=true" in lines
-    assert lines[-1].startswith("# command: python -m services.trainer --backend skyrl")
-    assert lines[-2].startswith("# not validated: SkyRL is not installed here")
-    run = tmp_path / "runs" / "qwen3vl-8b-maze-grpo"
-    assert (run / "skyrl_overrides.txt").read_text().splitlines() == lines[:-2]
-    assert (run / "skyrl_command.txt").exists()
+    run = shared / "runs" / "qwen3vl-8b-maze-grpo"
+    assert f'data.train_data=["{run / "data" / "train.jsonl"}"]' in lines
+    assert lines[-2].startswith("# command: python -m services.trainer --backend skyrl")
+    assert lines[-3].startswith("# not validated: SkyRL is not installed here")
+    assert not any(shared.iterdir()), "a dry run writes nothing on the volume"
+    folder = Path(lines[-1].split(" to ", 1)[1].split(" (", 1)[0])
+    try:
+        assert folder.name.startswith("maze-grpo-dry-run-qwen3vl-8b-maze-grpo-")
+        assert (folder / "skyrl_overrides.txt").read_text().splitlines() == lines[:-3]
+        assert (folder / "skyrl_command.txt").read_text().strip() == lines[-2].removeprefix("# command: ")
+        assert len((folder / "val.jsonl").read_text().splitlines()) == 64
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     assert to_cli({"a": [1], "b": True, "c": None, "d": 0.5}) == ["a=[1]", "b=true", "c=null", "d=0.5"]
+
+
+def test_submit_dry_run_submits_nothing_and_writes_nothing_outside_a_temp_folder(tmp_path):
+    shared, home = tmp_path / "shared", tmp_path / "home"
+    shared.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(SHARED_DIR=str(shared), HOME=str(home))
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", "submit", "--config",
+                           "configs/qwen3vl-8b-hyperpod.yaml", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("# would submit to sagemaker_ray://") and "python -m services.trainer --config configs/qwen3vl-8b-hyperpod.yaml" in lines[0]
+    assert "nothing was submitted" in lines[1] and "generator.vision_language_generator=true" in lines
+    assert not any(shared.iterdir()) and not home.exists(), "no job record, nothing on the volume"
+    shutil.rmtree(lines[-1].split(" to ", 1)[1].split(" (", 1)[0], ignore_errors=True)
 
 
 def test_skyrl_run_without_skyrl_says_what_it_needs(tmp_path):

@@ -2,7 +2,7 @@
 
     python -m services.trainer --config configs/tiny-cpu.yaml [key.path=value ...]
     python -m services.trainer --backend skyrl --config configs/qwen3vl-8b-hyperpod.yaml [--dry-run | --preflight]
-    python -m services.trainer submit --config ... [--force]      # a Ray job on RAY_ADDRESS (make submit)
+    python -m services.trainer submit --config ... [--force | --dry-run]   # a Ray job on RAY_ADDRESS (make submit)
 
 Backends: `local` (Ray actors + transformers + peft, CPU or GPU; the default) and `skyrl` (SkyRL with
 vLLM and FSDP on a GPU cluster). RAY_ADDRESS picks a cluster; without it Ray starts in-process.
@@ -18,6 +18,27 @@ from pathlib import Path
 from shared.config import DEFAULT_CONFIG, ConfigError, command_line, config_from_args
 
 
+def submit_dry_run(cfg, config_path: str, overrides: list[str], forward: tuple[str, ...]) -> None:
+    """`submit --dry-run`: prints where the job would go and what it would run (for a skyrl profile, SkyRL's
+    overrides too); submits nothing and writes nothing outside a temp folder."""
+    from services.trainer import skyrl_backend
+    from services.trainer.submit import PreflightError, job_spec, submission_address
+
+    try:
+        address = submission_address(cfg)
+    except (SystemExit, PreflightError) as exc:
+        address = f"(none: {exc})"
+    entrypoint, runtime_env = job_spec(cfg, config_path, overrides, forward=forward)
+    print(f"# would submit to {address}: {entrypoint}")
+    print(f"# with the working dir {runtime_env['working_dir']} and the variables "
+          f"{', '.join(sorted(runtime_env['env_vars'])) or '(none)'}; nothing was submitted")
+    if cfg.backend == "skyrl":
+        try:
+            skyrl_backend.dry_run(cfg, config_path)
+        except skyrl_backend.SkyRLRejected as exc:
+            sys.exit(f"error: {exc}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv_given = argv
     argv = sys.argv[1:] if argv is None else argv
@@ -25,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = command_line("python -m services.trainer" + (" submit" if submitting else ""), __doc__)
     parser.add_argument("--backend", choices=["local", "skyrl"], default=None, help="override the profile's backend")
     parser.add_argument("--dry-run", action="store_true",
-                        help="skyrl: print SkyRL's overrides (validated by SkyRL where it is installed) and the command, run nothing")
+                        help="skyrl: print SkyRL's overrides (validated by SkyRL where it is installed) and the command, run nothing; "
+                             "with submit: print the job it would submit, submit nothing")
     parser.add_argument("--preflight", action="store_true",
                         help="skyrl: run the set-up up to the GPU work (SkyRL config, Ray runtime env, env in a worker), then exit")
     parser.add_argument("--allow-changed-settings", action="store_true",
@@ -45,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config_from_args(args, backend)
     overrides = list(args.overrides) + backend
 
+    if submitting and args.dry_run:
+        submit_dry_run(cfg, args.config or str(DEFAULT_CONFIG), overrides, tuple(args.forward_env))
+        return
     if submitting:
         from services.trainer.submit import RECORD_DIR, PreflightError, submit
 

@@ -12,6 +12,7 @@ import math
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from shared.config import REPO_ROOT, RunConfig
@@ -64,10 +65,16 @@ def batch_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def data_files(cfg: RunConfig) -> tuple[Path, Path]:
-    """Writes SkyRL's train and val data (JSON lines: prompt, env_class, extras) under the run; returns both."""
-    volume = SharedVolume(cfg.shared_path())
-    folder = volume.run(cfg.run_id) / "data"
+def data_paths(cfg: RunConfig) -> tuple[Path, Path]:
+    """Returns where a run's SkyRL train and val data live (runs/<run>/data/), without writing anything."""
+    folder = SharedVolume(cfg.shared_path()).run(cfg.run_id) / "data"
+    return folder / "train.jsonl", folder / "val.jsonl"
+
+
+def data_files(cfg: RunConfig, folder: Path | None = None) -> tuple[Path, Path]:
+    """Writes SkyRL's train and val data (JSON lines: prompt, env_class, extras) under the run, or into `folder`;
+    returns both."""
+    train, val = data_paths(cfg) if folder is None else (folder / "train.jsonl", folder / "val.jsonl")
     env = cfg.env
     extras = {"max_turns": env.max_turns, "reward": env.reward, "cell_px": env.cell_px,
               "response_format": env.response_format, "action_style": env.action_style, "prompt_style": env.prompt_style}
@@ -80,8 +87,6 @@ def data_files(cfg: RunConfig) -> tuple[Path, Path]:
     eval_set = EvalSet.held_out(env)
     stream = MazeStream.for_rl(env, excluded_from_training(env))
     count = cfg.rollout.train_batch_size * max(cfg.schedule.total_steps, 1) * TRAIN_TICKETS_PER_STEP_MARGIN
-    train = folder / "train.jsonl"
-    val = folder / "val.jsonl"
     atomic_write_text(train, rows(env.id, [m.seed for m in stream.take(count)]))
     atomic_write_text(val, rows(env.eval_env, eval_set.seeds))
     return train, val
@@ -185,15 +190,16 @@ def command(cfg: RunConfig, config_path: str | None) -> str:
     return shlex.join(args)
 
 
-def skyrl_config(cfg: RunConfig):
-    """Returns SkyRL's own config for a run, built and validated by SkyRL's code; raises SkyRLRejected."""
+def skyrl_config(cfg: RunConfig, write_data: bool = True):
+    """Returns SkyRL's own config for a run, built and validated by SkyRL's code; raises SkyRLRejected. With
+    `write_data` false the run's data files are named, not written (SkyRL's checks do not read them)."""
     from skyrl.train.config import SkyRLTrainConfig
     from skyrl.train.utils import validate_cfg
 
     problems = batch_problems(cfg)
     if problems:
         raise SkyRLRejected("; ".join(problems))
-    train, val = data_files(cfg)
+    train, val = data_files(cfg) if write_data else data_paths(cfg)
     try:
         skyrl_cfg = SkyRLTrainConfig.from_cli_overrides(to_cli(skyrl_overrides(cfg, train, val)))
         validate_cfg(skyrl_cfg)
@@ -208,28 +214,31 @@ def skyrl_installed() -> bool:
     return importlib.util.find_spec("skyrl") is not None
 
 
-def dry_run(cfg: RunConfig, config_path: str | None = None) -> list[str]:
-    """Prints one override per line and the command; writes both to the run folder; returns the lines.
+def dry_run(cfg: RunConfig, config_path: str | None = None) -> tuple[list[str], Path]:
+    """Prints one override per line and the command; returns the lines and the temp folder that holds them.
 
-    Where SkyRL is installed (the GPU image, `.venv-skyrl`), SkyRL's own config code validates them first.
+    Where SkyRL is installed (the GPU image, `.venv-skyrl`), SkyRL's own config code validates them first. The
+    overrides name the run's own data files (runs/<run>/data/, written when the run starts); the dry run writes
+    nothing there: that data, the overrides and the command go to a new temp folder, named on the last line.
     """
     if skyrl_installed():
-        skyrl_config(cfg)
+        skyrl_config(cfg, write_data=False)
         verdict = f"# validated by SkyRL {SKYRL_VERSION} (SkyRLTrainConfig.from_cli_overrides + validate_cfg)"
     elif problems := batch_problems(cfg):
         raise SkyRLRejected("; ".join(problems))
     else:
         verdict = f"# not validated: SkyRL is not installed here ({SKYRL_PIN} needs Python >= 3.12; use .venv-skyrl)"
-    train, val = data_files(cfg)
-    lines = to_cli(skyrl_overrides(cfg, train, val))
-    run = SharedVolume(cfg.shared_path()).run(cfg.run_id)
-    atomic_write_text(run / "skyrl_overrides.txt", "\n".join(lines) + "\n")
-    atomic_write_text(run / "skyrl_command.txt", command(cfg, config_path) + "\n")
+    lines = to_cli(skyrl_overrides(cfg, *data_paths(cfg)))
+    folder = Path(tempfile.mkdtemp(prefix=f"maze-grpo-dry-run-{cfg.run_id}-"))
+    data_files(cfg, folder)
+    atomic_write_text(folder / "skyrl_overrides.txt", "\n".join(lines) + "\n")
+    atomic_write_text(folder / "skyrl_command.txt", command(cfg, config_path) + "\n")
     for line in lines:
         print(line)
     print(verdict)
     print(f"# command: {command(cfg, config_path)}")
-    return lines
+    print(f"# wrote the data, overrides and command to {folder} (the run's folder is left as it is)")
+    return lines, folder
 
 
 def _set_up(cfg: RunConfig):
