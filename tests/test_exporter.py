@@ -43,7 +43,7 @@ def test_export_alias_list_and_idempotence(exported_run, s3_endpoint, bucket):
     first = _run(["--run", run_id, "--alias", "maze-grpo", "--pick", "best"], volume.root, s3_endpoint, bucket)
     assert first.returncode == 0, first.stderr
     assert "exp-run-step2: uploaded" in first.stdout and "exp-run-step4: uploaded" in first.stdout
-    assert "maze-grpo -> exp-run-step2 (best)" in first.stdout
+    assert "maze-grpo -> exp-run-step2 (best: held-out 25.0%, evals/global_step_2)" in first.stdout
     store = AdapterStore(bucket, s3_endpoint, cache_dir=volume.root / "cache-test")
     assert store.list() == ["exp-run-step2", "exp-run-step4", "maze-grpo"]
     manifest = store.manifest("exp-run-step4")
@@ -181,6 +181,28 @@ def test_skyrl_exports_without_a_manifest_are_adopted_only_by_the_adopt_command(
     assert AdapterStore(bucket, s3_endpoint).list() == ["skyrl-run-step20"]
     again = _run(["adopt", "--run", "skyrl-run", "--settle", "0"], shared, s3_endpoint, bucket)
     assert again.returncode == 0 and again.stdout.strip() == f"sealed {exports / 'global_step_40' / 'policy'}"
+
+    # --pick best on a SkyRL run: its evals are SkyRL's own dumps (no evals/global_step_N); with none, one line.
+    unscored = _run(["--run", "skyrl-run", "--alias", "skyrl-best"], shared, s3_endpoint, bucket)
+    assert unscored.returncode != 0 and unscored.stderr.count("\n") == 1, unscored.stderr
+    assert "none of run skyrl-run's exports (steps 20, 40) has a held-out eval" in unscored.stderr
+    assert "python -m services.evaluator --watch skyrl-run --once" in unscored.stderr
+    assert AdapterStore(bucket, s3_endpoint).list() == ["skyrl-run-step20"], "refused before any upload"
+    for step, rate in ((20, 0.375), (40, 0.25)):
+        dump = exports / "dumped_evals" / f"global_step_{step}_evals"
+        dump.mkdir(parents=True)
+        (dump / "aggregated_results.jsonl").write_text(json.dumps({"eval/all/environment/solved": rate,
+                                                                   "eval/all/pass_at_1": rate + 0.1}) + "\n")
+    best = _run(["--run", "skyrl-run", "--alias", "skyrl-best"], shared, s3_endpoint, bucket)
+    assert best.returncode == 0, best.stderr
+    assert "skyrl-best -> skyrl-run-step20 (best: held-out 37.5%, SkyRL's eval" in best.stdout
+    assert AdapterStore(bucket, s3_endpoint).manifest("skyrl-best")["eval"]["solve_rate"] == 0.375
+    # The evaluator's own eval of a step (its --watch) comes before SkyRL's.
+    watched = shared / "runs" / "skyrl-run" / "evals" / "watch_step_40"
+    watched.mkdir(parents=True)
+    (watched / "summary.json").write_text(json.dumps({"solve_rate": 0.5, "solved": 32, "total": 64}))
+    best = _run(["--run", "skyrl-run", "--alias", "skyrl-best"], shared, s3_endpoint, bucket)
+    assert "skyrl-best -> skyrl-run-step40 (best: held-out 50.0%, evals/watch_step_40)" in best.stdout, best.stdout
 
 
 def test_local_s3_endpoint_of_another_host_is_neither_used_nor_stopped(tmp_path):

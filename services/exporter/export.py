@@ -16,6 +16,7 @@ from pathlib import Path
 
 from boto3.s3.transfer import TransferConfig
 
+from shared.evaluation.skyrl import skyrl_eval_metrics
 from shared.storage.adapters import AdapterNotFound, AdapterStore
 from shared.storage.files import DamagedFile, safetensors_header
 from shared.storage.ids import check_adapter_id
@@ -114,8 +115,16 @@ class Exporter:
         return complete_exports(self.volume, run_id, warn=lambda m: self.log(f"warning: {m}"))
 
     def eval_summary(self, run_id: str, step: int) -> dict | None:
-        path = self.volume.eval(run_id, f"global_step_{step}") / "summary.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        """Returns the held-out eval of a step: the local trainer's (evals/global_step_N), else the evaluator's watch
+        (evals/watch_step_N), else SkyRL's own (exports/dumped_evals/, a SkyRL run's); None when there is none."""
+        for name in (f"global_step_{step}", f"watch_step_{step}"):
+            path = self.volume.eval(run_id, name) / "summary.json"
+            if path.exists():
+                return {**json.loads(path.read_text()), "source": f"evals/{name}"}
+        skyrl = skyrl_eval_metrics(self.volume.run(run_id)).get(step)
+        if skyrl:
+            return {**skyrl, "source": f"SkyRL's eval (exports/dumped_evals/global_step_{step}_evals)"}
+        return None
 
     def _remote_sha(self, key: str) -> str | None:
         from botocore.exceptions import ClientError
@@ -155,8 +164,10 @@ class Exporter:
         return ExportResult(adapter_id, meta.get("step", -1), uploaded, skipped=False)
 
     def export_run(self, run_id: str, alias: str | None = None, pick: str = "best") -> list[ExportResult]:
-        """Exports every complete, valid step of a run; optionally re-points an alias. Returns what happened."""
-        results, exported = [], []
+        """Exports every complete, valid step of a run; optionally re-points an alias. Returns what happened.
+
+        `pick="best"` with no held-out eval of any export raises ValueError before anything is uploaded."""
+        valid = []
         for step, folder in self.complete_exports(run_id):
             try:
                 config = validate_adapter(folder, self.cfg)
@@ -166,26 +177,35 @@ class Exporter:
             meta = {"run_id": run_id, "step": step, "base_model": self.cfg.model.base_model_id,
                     "trained_on": config["base_model_name_or_path"],
                     "rank": config.get("r"), "eval": self.eval_summary(run_id, step)}
+            valid.append((step, folder, meta))
+        chosen = self.choose(run_id, valid, pick) if alias and valid else None
+        results = []
+        for step, folder, meta in valid:
             result = self.publish(f"{run_id}-step{step}", folder, meta)
             results.append(result)
-            exported.append((step, folder, meta))
             state = "unchanged" if result.skipped else f"uploaded {', '.join(result.uploaded) or 'manifest only'}"
             self.log(f"{result.adapter_id}: {state}")
-        if alias and exported:
-            step, folder, meta = self.choose(exported, pick)
+        if chosen:
+            step, folder, meta = chosen
             result = self.publish(alias, folder, {**meta, "alias_of": f"{run_id}-step{step}"})
             results.append(result)
-            self.log(f"{alias} -> {run_id}-step{step} ({pick}){' unchanged' if result.skipped else ''}")
+            how = pick if pick == "latest" else f"best: held-out {100 * meta['eval']['solve_rate']:.1f}%, {meta['eval']['source']}"
+            self.log(f"{alias} -> {run_id}-step{step} ({how}){' unchanged' if result.skipped else ''}")
         return results
 
     @staticmethod
-    def choose(exported: list, pick: str):
+    def choose(run_id: str, exported: list, pick: str):
+        """Returns the export an alias points at: the latest, or the best held-out solve rate among those scored (on a
+        tie the later step); raises ValueError when `best` finds no export scored."""
         if pick == "latest":
             return exported[-1]
         scored = [e for e in exported if e[2].get("eval")]
         if not scored:
-            return exported[-1]
-        # Best held-out solve rate; on a tie the later step wins.
+            steps = ", ".join(str(e[0]) for e in exported)
+            raise ValueError(
+                f"--pick best: none of run {run_id}'s exports (steps {steps}) has a held-out eval (the trainer's "
+                f"evals/global_step_N, the evaluator's evals/watch_step_N or SkyRL's exports/dumped_evals); score them "
+                f"with `python -m services.evaluator --watch {run_id} --once`, or point the alias with --pick latest")
         return max(scored, key=lambda e: (e[2]["eval"]["solve_rate"], e[0]))
 
 
