@@ -104,3 +104,32 @@ def test_make_images_without_an_engine_says_so():
     proc = subprocess.run([sys.executable, "docker/build.py", "--only", "evaluator"], cwd=REPO, capture_output=True,
                           text=True, env={"DOCKER_HOST": "unix:///nonexistent/docker.sock", "PATH": "/usr/bin:/bin"})
     assert proc.returncode != 0 and "no Docker engine reachable" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_gpu_image_jobs_build_step_runs_in_a_venv_holding_only_what_the_workflow_installs(tmp_path):
+    """images.yml's gpu job, step by step: its own pip installs in a fresh venv, then its build command (a pull
+    request's, no push) gets as far as looking for a Docker engine, so every import the script needs is there."""
+    import yaml
+
+    job = yaml.safe_load((REPO / ".github" / "workflows" / "images.yml").read_text())["jobs"]["gpu"]
+    [step] = [s for s in job["steps"] if s.get("name", "").startswith("build (and push)")]
+    lines = [line.strip() for line in step["run"].splitlines() if line.strip()]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    installs = [line for line in lines if line.startswith("python -m pip install")]
+    assert installs, lines
+    for line in installs:
+        proc = subprocess.run(line.replace("python", python, 1), shell=True, cwd=REPO, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    [build] = [line for line in lines if "docker/build.py" in line]
+    build = re.sub(r"\$\{\{ matrix.image \}\}", "trainer", build)
+    build = re.sub(r"\$\{\{ env.PUSH == 'true' && .*? \}\}", "", build)  # a pull request builds without pushing
+    assert "${{" not in build, build
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
+    proc = subprocess.run(build.replace("python", python, 1), shell=True, cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: no Docker engine reachable"), proc.stderr[-2000:]
