@@ -133,6 +133,11 @@ def test_amp_sigv4_datasource(grafana):
     assert proc.returncode == 0, proc.stderr
     data = FakeGrafana.state["datasources"][DATASOURCE_UID]["jsonData"]
     assert data["sigV4Auth"] is True and data["sigV4Region"] == "us-west-2"
+    assert data["sigV4AuthType"] == "ec2_iam_role", "Amazon Managed Grafana signs with its workspace IAM role"
+    proc = _provision(grafana, TOKEN, "--amp-workspace-url", "https://aps-workspaces.us-west-2.amazonaws.com/workspaces/ws-1",
+                      "--region", "us-west-2", "--sigv4-auth", "default")
+    assert proc.returncode == 0, proc.stderr
+    assert FakeGrafana.state["datasources"][DATASOURCE_UID]["jsonData"]["sigV4AuthType"] == "default"
 
 
 def test_rejected_token_and_unreachable_grafana(grafana):

@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="the data source URL (default: dashboards.prometheus_url, PROMETHEUS_URL, else http://127.0.0.1:9090)")
     parser.add_argument("--amp-workspace-url", default=None, help="Amazon Managed Service for Prometheus query URL (SigV4)")
     parser.add_argument("--region", default=None, help="AWS region for SigV4 (default: cluster.region, AWS_REGION)")
+    parser.add_argument("--sigv4-auth", default="ec2_iam_role", choices=["ec2_iam_role", "default", "credentials"],
+                        help="how Grafana signs its requests to --amp-workspace-url: ec2_iam_role (Amazon Managed "
+                             "Grafana's workspace IAM role; the default), default (the AWS SDK chain of a Grafana you "
+                             "run yourself) or credentials (its credentials file)")
     parser.add_argument("--out", default=None, help="write the dashboard JSON files here instead of provisioning")
     parser.add_argument("--wait", type=float, default=0, help="seconds to wait for Grafana to come up")
     parser.add_argument("--port", type=int, default=9090, help="monitor: Prometheus port on 127.0.0.1")
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(2)
     try:
         done = provision(api, args.amp_workspace_url or prometheus_url,
-                         sigv4_region=region if args.amp_workspace_url else None)
+                         sigv4_region=region if args.amp_workspace_url else None, sigv4_auth_type=args.sigv4_auth)
     except ProvisionError as exc:
         sys.exit(f"error: {exc}")
     except Exception as exc:

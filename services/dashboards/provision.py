@@ -65,7 +65,13 @@ def build_dashboards(datasource_uid: str = DATASOURCE_UID, datasource_name: str 
     return dashboards
 
 
-def datasource_body(prometheus_url: str, sigv4_region: str | None = None) -> dict:
+# How Grafana signs its requests to Amazon Managed Prometheus (the data source's `sigV4AuthType`): in Amazon Managed
+# Grafana the workspace's own IAM role ("Workspace IAM Role" in its editor, `ec2_iam_role` in the API); a Grafana you
+# run yourself uses the AWS SDK's default chain or a credentials file.
+SIGV4_AUTH_TYPES = ("ec2_iam_role", "default", "credentials")
+
+
+def datasource_body(prometheus_url: str, sigv4_region: str | None = None, sigv4_auth_type: str = "ec2_iam_role") -> dict:
     """Returns the Grafana data source: a plain Prometheus URL, or Amazon Managed Prometheus with SigV4."""
     body = {
         "uid": DATASOURCE_UID,
@@ -77,11 +83,14 @@ def datasource_body(prometheus_url: str, sigv4_region: str | None = None) -> dic
         "jsonData": {"httpMethod": "POST", "timeInterval": "10s"},
     }
     if sigv4_region:
-        body["jsonData"].update({"sigV4Auth": True, "sigV4AuthType": "default", "sigV4Region": sigv4_region})
+        if sigv4_auth_type not in SIGV4_AUTH_TYPES:
+            raise ProvisionError(f"unknown SigV4 auth type {sigv4_auth_type!r}: use one of {', '.join(SIGV4_AUTH_TYPES)}")
+        body["jsonData"].update({"sigV4Auth": True, "sigV4AuthType": sigv4_auth_type, "sigV4Region": sigv4_region})
     return body
 
 
-def provision(api, prometheus_url: str, sigv4_region: str | None = None, log=print) -> dict:
+def provision(api, prometheus_url: str, sigv4_region: str | None = None, log=print,
+              sigv4_auth_type: str = "ec2_iam_role") -> dict:
     """Creates or updates folder, data source and the four dashboards; returns what was done per item."""
     from grafana_client.client import GrafanaClientError
 
@@ -108,7 +117,7 @@ def provision(api, prometheus_url: str, sigv4_region: str | None = None, log=pri
 
     done["folder"] = step("the folder", folder)
 
-    body = datasource_body(prometheus_url, sigv4_region)
+    body = datasource_body(prometheus_url, sigv4_region, sigv4_auth_type)
 
     def datasource():
         try:
