@@ -254,3 +254,13 @@ def test_training_maze_streams_can_skip_mazes_no_agent_solves_in_budget():
     assert any(optimal_action_count(m) > 15 for m in every), "the plain stream holds unsolvable mazes"
     assert all(optimal_action_count(m) <= 15 for m in solvable)
     assert [m.seed for m in solvable] == [m.seed for m in every if optimal_action_count(m) <= 15][:30]
+
+
+def test_scripted_rules_order_as_the_headroom_table_says():
+    """`python -m shared.maze policies`: random < the explorer < stepping toward the target <= the solver."""
+    proc = subprocess.run([sys.executable, "-m", "shared.maze", "policies", "--env", "maze_2d/7x7", "--seeds", "0-127",
+                           "--max-turns", "10", "--repeats", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    counts = {line.split()[0]: float(line.split()[1]) for line in proc.stdout.splitlines()[1:]}
+    assert set(counts) == {"random", "explore", "toward", "solver"}
+    assert counts["random"] < counts["explore"] < counts["toward"] <= counts["solver"] <= 128, counts

@@ -1,15 +1,16 @@
-"""python -m shared.maze {dump,ceiling,render}: inspect the mazes the project trains and evaluates on."""
+"""python -m shared.maze {dump,ceiling,render,policies}: inspect the mazes the project trains and evaluates on."""
 
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
 from PIL import Image
 
 from shared.config import command_line
-from shared.maze.core import MazeState, generate, solve
+from shared.maze.core import MOVES, MazeState, explore_walk, generate, open_moves, solve
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.maze.render import VISGYM_CELL_PX, render_rgb, render_text, save_gif
 
@@ -47,6 +48,54 @@ def cmd_render(args) -> None:
     print(f"wrote {out}")
 
 
+def scripted_walk(maze, rule: str, rng: random.Random, max_moves: int) -> list[int]:
+    """Returns the moves of a scripted rule: `explore` (shared.maze.core.explore_walk), or a memoryless one:
+    `random` (uniform over the open moves) or `toward` (uniform over the open moves that shorten the Manhattan
+    distance to the target, else over the open moves)."""
+    if rule == "explore":
+        return explore_walk(maze, rng, max_moves)
+    cell, moves = maze.agent, []
+    while cell != maze.target and len(moves) < max_moves:
+        options = open_moves(maze, cell)
+        if rule == "toward":
+            options = [d for d in options if _distance(_step(cell, d), maze.target) < _distance(cell, maze.target)] or options
+        d = rng.choice(options)
+        cell = _step(cell, d)
+        moves.append(d)
+    return moves
+
+
+def _step(cell: tuple[int, int], d: int) -> tuple[int, int]:
+    return cell[0] + MOVES[d][0], cell[1] + MOVES[d][1]
+
+
+def _distance(a: tuple[int, int], b: tuple[int, int]) -> int:
+    return abs(a[0] - b[0]) + abs(a[1] - b[1])
+
+
+def _reaches(maze, moves: list[int]) -> bool:
+    cell = maze.agent
+    for d in moves:
+        cell = _step(cell, d)
+    return cell == maze.target
+
+
+def cmd_policies(args) -> None:
+    """Prints how many mazes scripted rules bring to the target within the turn budget (a move a turn, `stop` last):
+    the headroom of a policy that sees one cell around it, without a model."""
+    mazes = [generate(args.env, seed) for seed in parse_seeds(args.seeds)]
+    budget = args.max_turns - 1
+    print(f"{args.env} seeds {args.seeds}, {args.max_turns} turns: target reached (of {len(mazes)}), "
+          f"mean over {args.repeats} seeds of the rules' coin flips")
+    for rule in ("random", "explore", "toward"):
+        counts = []
+        for repeat in range(args.repeats):
+            rng = random.Random(repeat)
+            counts.append(sum(_reaches(m, scripted_walk(m, rule, rng, budget)) for m in mazes))
+        print(f"  {rule:<8} {sum(counts) / len(counts):7.1f}  ({', '.join(map(str, counts))})")
+    print(f"  {'solver':<8} {sum(len(solve(m)) <= budget for m in mazes):7d}  (the oracle ceiling)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = command_line("python -m shared.maze", __doc__, config=False)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +114,13 @@ def main(argv: list[str] | None = None) -> None:
     render.add_argument("--out", required=True)
     render.add_argument("--cell-px", type=int, default=VISGYM_CELL_PX)
     render.set_defaults(func=cmd_render)
+    policies = sub.add_parser("policies", help="how many mazes scripted rules (random, explorer, step toward the "
+                              "target) solve: the headroom without a model")
+    policies.add_argument("--env", default="maze_2d/easy")
+    policies.add_argument("--seeds", default="64-575")
+    policies.add_argument("--max-turns", type=int, default=15)
+    policies.add_argument("--repeats", type=int, default=4)
+    policies.set_defaults(func=cmd_policies)
     args = parser.parse_args(argv)
     try:
         args.func(args)
