@@ -157,6 +157,14 @@ class ScheduleConfig(Section):
     resume_mode: Literal["latest", "none"] = "latest"
 
 
+class TrainerConfig(Section):
+    logger: list[Literal["console", "tensorboard", "wandb"]] = Field(
+        ["console", "tensorboard"],
+        description="where step metrics go beside metrics.jsonl: console (the progress line), tensorboard (event "
+                    "files in runs/<id>/tensorboard), wandb (W&B: WANDB_API_KEY or `wandb login`, or WANDB_MODE=offline)")
+    project_name: str = Field("maze-grpo", description="the W&B project (and SkyRL's trainer.project_name)")
+
+
 class LoraConfig(Section):
     rank: int = Field(32, ge=1)
     alpha: int = Field(64, ge=1)
@@ -250,6 +258,7 @@ class RunConfig(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     rollout: RolloutConfig = RolloutConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+    trainer: TrainerConfig = TrainerConfig()
     lora: LoraConfig = LoraConfig()
     sft: SftConfig = SftConfig()
     storage: StorageConfig = StorageConfig()
@@ -395,7 +404,7 @@ def check_trainable(cfg: RunConfig) -> None:
 
 # Keys that never change what a training step computes: where files go, how often they are written and scored, how
 # long the run is, and the sections of the other services.
-UNTRAINED_KEYS = ("run_id", "storage.", "server.", "dashboards.", "cluster.", "schedule.total_steps",
+UNTRAINED_KEYS = ("run_id", "storage.", "server.", "dashboards.", "cluster.", "trainer.", "schedule.total_steps",
                   "rollout.max_error_fraction", "rollout.eval_samples",
                   "schedule.eval_interval", "schedule.eval_before_train", "schedule.ckpt_interval",
                   "schedule.max_ckpts_to_keep", "schedule.hf_save_interval", "schedule.resume_mode")

@@ -75,6 +75,13 @@ def test_every_environment_variable_sets_its_key_and_secrets_are_never_written(t
     assert reveal(load_config(None, environ={}).server.api_key) is None
 
 
+def test_the_command_a_model_card_records_masks_every_secret():
+    from services.trainer.__main__ import masked
+
+    argv = ["--config", "c.yaml", "server.api_key=k-123", " dashboards.grafana_token=glsa_x", "algorithm.lr=0.1"]
+    assert masked(argv) == ["--config", "c.yaml", "server.api_key=***", " dashboards.grafana_token=***", "algorithm.lr=0.1"]
+
+
 def test_a_secret_is_read_as_text_and_never_echoed_in_an_error():
     cfg = load_config(None, ["server.api_key=123456789", "dashboards.grafana_token=007"], environ={})
     assert (reveal(cfg.server.api_key), reveal(cfg.dashboards.grafana_token)) == ("123456789", "007")
@@ -93,10 +100,11 @@ def test_aws_region_fills_the_region_only_where_the_profile_sets_none():
 def test_no_service_reads_an_environment_variable_outside_the_schema():
     """Variables the services read go through ENV_OVERRIDES; the other touches of the environment forward it:
     the AWS/HF credential chain to Ray Serve's workers, FORWARDED_ENV to a submitted job, and what a SkyRL
-    worker sees of HF_HUB_OFFLINE (reported by the preflight)."""
+    worker sees of HF_HUB_OFFLINE (reported by the preflight), and where SkyRL's TensorBoard tracker writes."""
     allowed = {"services/server/__main__.py": ['k.startswith(("AWS_", "HF_"))'],
                "services/trainer/submit.py": ["environ = os.environ if environ is None else environ"],
-               "services/trainer/skyrl_backend.py": ['"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE")']}
+               "services/trainer/skyrl_backend.py": ['"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE")',
+                                                     'os.environ.setdefault("TENSORBOARD_DIR"']}
     reads = []
     for path in sorted((REPO / "services").rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
@@ -121,6 +129,7 @@ def test_no_service_reads_an_environment_variable_outside_the_schema():
         ("no-equals-sign", ["key.path=value"]),
         ("algorithm.mini_batch_size=3", ["algorithm.mini_batch_size", "3", "rollout.train_batch_size"]),
         ("algorithm.advantage_estimator=ppo", ["algorithm.advantage_estimator", "'ppo'", "gigpo", "branch"]),
+        ("trainer.logger=[console,neptune]", ["trainer.logger", "'neptune'", "tensorboard", "wandb"]),
     ],
 )
 def test_bad_values_name_the_key(override, words):

@@ -166,7 +166,7 @@ def test_exporter_container_staged_the_adapter_in_s3(pipeline):
     s3 = s3_client(f"http://127.0.0.1:{PORTS['S3_PORT']}")
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="maze-grpo", Prefix=f"local/adapters/{RUN_ID}/")["Contents"]}
     assert {f"local/adapters/{RUN_ID}/{name}" for name in
-            ("adapter_model.safetensors", "adapter_config.json", "manifest.json")} <= keys
+            ("adapter_model.safetensors", "adapter_config.json", "README.md", "manifest.json")} <= keys
 
 
 def test_host_client_plays_a_maze_through_the_server_container(pipeline, tmp_path):

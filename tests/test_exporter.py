@@ -48,6 +48,12 @@ def test_export_alias_list_and_idempotence(exported_run, s3_endpoint, bucket):
     assert store.list() == ["exp-run-step2", "exp-run-step4", "maze-grpo"]
     manifest = store.manifest("exp-run-step4")
     assert manifest["run_id"] == run_id and manifest["step"] == 4 and manifest["eval"]["solve_rate"] == 0.125
+    # Every S3 copy carries a model card, in the manifest. These exports hold PEFT's template (as a SkyRL run's
+    # do), so the exporter writes the card from what it knows; the trainer's own card travels as it is.
+    assert set(manifest["files"]) == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    card = (store.fetch("exp-run-step4") / "README.md").read_text()
+    assert card.startswith("---\nbase_model: tiny-qwen3vl-sft\nlibrary_name: peft\n") and "# exp-run, step 4" in card
+    assert "| 8/64 | 12.5% [" in card and "More Information Needed" not in card
     assert manifest["base_model"] == "tiny-qwen3vl-sft"
     local = store.fetch("maze-grpo")
     verify_manifest(local)

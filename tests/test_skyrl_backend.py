@@ -61,6 +61,7 @@ def test_dry_run_prints_the_overrides_and_writes_only_to_a_temp_folder(tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert "generator.vision_language_generator=true" in lines
+    assert "trainer.logger=tensorboard" in lines, "the profile's tracker, SkyRL's one backend"
     run = shared / "runs" / "qwen3vl-8b-maze-grpo"
     assert f'data.train_data=["{run / "data" / "train.jsonl"}"]' in lines
     assert lines[-2].startswith("# command: python -m services.trainer --backend skyrl")
@@ -91,6 +92,15 @@ def test_submit_dry_run_submits_nothing_and_writes_nothing_outside_a_temp_folder
     assert "nothing was submitted" in lines[1] and "generator.vision_language_generator=true" in lines
     assert not any(shared.iterdir()) and not home.exists(), "no job record, nothing on the volume"
     shutil.rmtree(lines[-1].split(" to ", 1)[1].split(" (", 1)[0], ignore_errors=True)
+
+
+def test_skyrl_takes_one_tracker_and_a_profile_naming_two_is_refused_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", "--backend", "skyrl", "--config",
+                           "configs/qwen3vl-8b-hyperpod.yaml", "--dry-run", f"storage.shared_dir={tmp_path}",
+                           "trainer.logger=[console,tensorboard,wandb]"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "SkyRL 0.4.0 logs to one backend" in proc.stderr and "keep one of tensorboard, wandb" in proc.stderr
 
 
 def test_skyrl_run_without_skyrl_says_what_it_needs(tmp_path):

@@ -197,11 +197,54 @@ def test_loss_reductions_weigh_tokens_or_samples():
 
 def _train(shared: Path, run_id: str, extra=(), wait=True):
     cmd = [sys.executable, "-m", "services.trainer", *MINIMAL, f"run_id={run_id}", *extra]
-    env = {**os.environ, "SHARED_DIR": str(shared), "PYTHONUNBUFFERED": "1"}
+    # W&B, where a test asks for it (trainer.logger), logs offline: into the run's folder, no account.
+    env = {**os.environ, "SHARED_DIR": str(shared), "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     if wait:
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def _tensorboard(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Returns {tag: [(step, value), ...]} from the run's TensorBoard event files, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def _wandb_history(run_file: Path) -> dict[int, dict]:
+    """Returns {step: logged values} from an offline W&B run file (run-<id>.wandb): W&B's record log (32 KiB blocks
+    of length-prefixed chunks after a 7-byte header), each record one of W&B's own protobuf messages."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    raw, pos, block, chunks, records = run_file.read_bytes(), 7, 32768, b"", []
+    assert raw[:4] == b":W&B"
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if length == 0 and kind == 0:  # the rest of a block left empty
+            pos += left
+            continue
+        chunks += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or its last chunk
+            records.append(chunks)
+            chunks = b""
+    history = {}
+    for data in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(items.get("_step", record.history.step.num), {}).update(items)
+    return history
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +301,23 @@ def test_two_step_run_writes_every_artifact(trained):
         weights = load_file(str(export / "adapter_model.safetensors"))
         assert weights and all("lora_" in k for k in weights)
         assert all("language_model" in k for k in weights), "LoRA on the language model only"
+        # Its model card (covered by the manifest): the base, what trained it, the step's held-out result with its
+        # interval and ceiling, and the command and config that made it.
+        card = (export / "README.md").read_text()
+        front = card.split("\n---\n", 1)[0]
+        assert "base_model: tiny-qwen3vl-sft" in front and "library_name: peft" in front and "license: apache-2.0" in front
+        assert f"# full, step {step}" in card and "More Information Needed" not in card
+        held_out = json.loads((run / "evals" / f"global_step_{step}" / "summary.json").read_text())
+        assert f"| maze_2d/easy seeds 0-3, 4 turns | {held_out['solved']}/4 |" in card
+        assert f"{step} GRPO steps of run `full`: 2 maze_2d/easy mazes x 2 episodes per step" in card
+        assert "python -m services.trainer sft.num_mazes=12" in card and "run_id=full" in card
+        assert "run_id: full" in card and "seeds 2000000-" in card
     assert (run / "ckpts" / "latest_ckpt_global_step.txt").read_text().strip() == "2"
+    # TensorBoard (trainer.logger's default) holds every number of each step's line, and the held-out evals.
+    scalars = _tensorboard(run)
+    for key in ("reward/mean", "train/solve_rate", "policy/kl", "timing/rollout_s", "throughput/rollout_tokens_per_s"):
+        assert scalars[key] == [(m["step"], pytest.approx(m[key])) for m in metrics], key
+    assert [step for step, _ in scalars["eval/solve_rate"]] == [0, 1, 2]
     verify_manifest(run / "lora_sync")
     assert (run / "solve_rate_vs_step.png").stat().st_size > 1000
     page = (run / "report.html").read_text()
@@ -303,7 +362,8 @@ def test_two_step_run_writes_every_artifact(trained):
 def test_kill_and_resume_reproduces_the_uninterrupted_run(trained):
     shared, _ = trained
     # Share the built models so only the GRPO part runs again.
-    proc = _train(shared, "killed", wait=False)
+    loggers = ["trainer.logger=[console,tensorboard,wandb]"]
+    proc = _train(shared, "killed", extra=loggers, wait=False)
     deadline = time.time() + 600
     ckpts = shared / "runs" / "killed" / "ckpts"
     while not (ckpts / "global_step_1" / "manifest.json").exists() and time.time() < deadline and proc.poll() is None:
@@ -321,9 +381,17 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(trained):
     if metrics.exists():
         metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
                                    if json.loads(line)["step"] < 1))
-    resumed = _train(shared, "killed")
+    resumed = _train(shared, "killed", extra=loggers)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resuming killed" in resumed.stdout
+    # The steps replayed after the checkpoint appear once in TensorBoard (the killed run's events for them are
+    # dropped), with the resumed run's values; W&B's offline run of the resume logged them too.
+    killed = [json.loads(x) for x in (shared / "runs" / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert _tensorboard(shared / "runs" / "killed")["reward/mean"] == [(m["step"], pytest.approx(m["reward/mean"]))
+                                                                       for m in killed]
+    last = sorted((shared / "runs" / "killed" / "wandb").glob("offline-run-*"))[-1]
+    history = _wandb_history(next(last.glob("run-*.wandb")))
+    assert history[2]["reward/mean"] == pytest.approx(killed[-1]["reward/mean"]) and "policy/kl" in history[2]
     full = load_file(str(shared / "runs/full/exports/global_step_2/policy/adapter_model.safetensors"))
     again = load_file(str(shared / "runs/killed/exports/global_step_2/policy/adapter_model.safetensors"))
     assert full.keys() == again.keys()

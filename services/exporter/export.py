@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import calendar
 import json
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from boto3.s3.transfer import TransferConfig
 
+from shared.evaluation.model_card import CARD, is_ours, model_card
 from shared.evaluation.skyrl import skyrl_eval_metrics
 from shared.storage.adapters import AdapterNotFound, AdapterStore
-from shared.storage.files import DamagedFile, safetensors_header
+from shared.storage.files import DamagedFile, atomic_write_text, safetensors_header
 from shared.storage.ids import check_adapter_id
 from shared.storage.manifest import MANIFEST, model_identity, sha256_file
 from shared.storage.volume import ADAPTER_FILES, SharedVolume, complete_exports
@@ -135,10 +137,30 @@ class Exporter:
             return None
         return head.get("Metadata", {}).get("sha256")
 
+    def card(self, folder: Path, meta: dict, scratch: Path) -> Path:
+        """Returns the model card to publish with an export: its own when the trainer wrote one, else (a SkyRL run's
+        export, which holds PEFT's template or none) one written into `scratch` from what the exporter knows."""
+        own = folder / CARD
+        if own.is_file() and not own.is_symlink() and is_ours(own.read_text(errors="replace")):
+            return own
+        run_id, step = meta.get("run_id", "?"), meta.get("step", "?")
+        trained = [f"step {step} of run `{run_id}`, an adapter trained on `{meta.get('trained_on', '?')}` (LoRA rank "
+                   f"{meta.get('rank', '?')}); the run's config is on its volume (runs/{run_id}/)"]
+        path = scratch / CARD
+        atomic_write_text(path, model_card(base_model=meta.get("base_model") or self.cfg.model.base_model_id,
+                                           title=f"{run_id}, step {step}", trained=trained, evaluation=meta.get("eval")))
+        return path
+
     def publish(self, adapter_id: str, folder: Path, meta: dict) -> ExportResult:
-        """Uploads folder's adapter files under adapter_id, manifest last; skips what already matches."""
+        """Uploads folder's adapter files and its model card under adapter_id, manifest last; skips what already
+        matches."""
         check_adapter_id(adapter_id)
-        files = {name: {"sha256": sha256_file(folder / name), "size": (folder / name).stat().st_size} for name in ADAPTER_FILES}
+        with tempfile.TemporaryDirectory(prefix="maze-grpo-card-") as scratch:
+            sources = {name: folder / name for name in ADAPTER_FILES} | {CARD: self.card(folder, meta, Path(scratch))}
+            return self._publish(adapter_id, sources, meta)
+
+    def _publish(self, adapter_id: str, sources: dict[str, Path], meta: dict) -> ExportResult:
+        files = {name: {"sha256": sha256_file(path), "size": path.stat().st_size} for name, path in sources.items()}
         try:
             current = self.store.manifest(adapter_id)
         except AdapterNotFound:
@@ -154,7 +176,7 @@ class Exporter:
             key = self.store.key(adapter_id, name)
             if self._remote_sha(key) == info["sha256"]:
                 continue
-            self.store.client.upload_file(str(folder / name), self.store.bucket, key,
+            self.store.client.upload_file(str(sources[name]), self.store.bucket, key,
                                           ExtraArgs={"Metadata": {"sha256": info["sha256"]}}, Config=TRANSFER)
             uploaded.append(name)
         manifest = {**meta, "adapter_id": adapter_id, "files": files,

@@ -12,10 +12,11 @@ The tiny model and its SFT warm-start are built first when the profile bootstrap
 from __future__ import annotations
 
 import errno
+import shlex
 import sys
 from pathlib import Path
 
-from shared.config import DEFAULT_CONFIG, ConfigError, command_line, config_from_args
+from shared.config import DEFAULT_CONFIG, SECRET_KEYS, ConfigError, command_line, config_from_args
 
 
 def submit_dry_run(cfg, config_path: str, overrides: list[str], forward: tuple[str, ...]) -> None:
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                 from services.trainer.grpo import Trainer, TrainingStopped
 
                 try:
-                    Trainer(cfg, allow_changed_settings=args.allow_changed_settings).run()
+                    command = shlex.join(["python", "-m", "services.trainer", *masked(argv)])
+                    Trainer(cfg, allow_changed_settings=args.allow_changed_settings, command=command).run()
                 except TrainingStopped as exc:
                     sys.exit(f"error: {exc}")
     except ConfigError as exc:
@@ -121,6 +123,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {exc}")
     except OSError as exc:  # the volume itself: read-only, full, or not ours to write
         sys.exit(f"error: {volume_error(exc, cfg)}")
+
+
+def masked(argv: list[str]) -> list[str]:
+    """Returns the arguments with the value of every secret override (an API key, a token) masked, as the model card
+    that records the command is published."""
+    return [f"{arg.split('=', 1)[0]}=***" if arg.split("=", 1)[0].strip() in SECRET_KEYS else arg for arg in argv]
 
 
 def volume_error(exc: OSError, cfg) -> str:

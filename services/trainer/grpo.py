@@ -32,9 +32,10 @@ from services.trainer.checkpoints import (
     save_adapter,
     save_checkpoint,
 )
-from services.trainer.report import landed, run_summary, warm_start_kind, write_run_report
+from services.trainer.report import export_card, landed, run_summary, warm_start_kind, write_run_report
 from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy
 from services.trainer.sft import ensure_sft
+from services.trainer.tracking import Tracker
 from shared.branching import junction_accuracy, solver_decisions
 from shared.config import (
     ConfigError,
@@ -48,6 +49,7 @@ from shared.config import (
 )
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
+from shared.evaluation.model_card import CARD
 from shared.evaluation.statistics import compare_evals, compare_sampled
 from shared.machine import machine_info
 from shared.maze.dataset import EvalSet, MazeStream, excluded_from_training
@@ -393,14 +395,24 @@ def loss_row_weights(response_mask: torch.Tensor, reduction: str, total_tokens: 
 # ---- the loop ---------------------------------------------------------------------------------------
 
 
+def eval_metrics(summary: dict) -> dict:
+    """Returns the metrics a held-out eval adds to its step's line: the solve rate and the junction probe's numbers."""
+    metrics = {"eval/solve_rate": summary["solve_rate"]}
+    for key in ("accuracy", "mean_logprob", "changed_since_warm_start"):
+        if key in (summary.get("junctions") or {}):
+            metrics[f"eval/junction_{key}"] = summary["junctions"][key]
+    return metrics
+
+
 class Trainer:
     """One local GRPO run: `run()` is set-up, resume, the step loop, finish; `train_step(step)` is one step.
 
     `allow_changed_settings` continues a run whose checkpoint was trained with other settings (and re-scores evals
     on disk that were played under other settings) instead of stopping."""
 
-    def __init__(self, cfg: RunConfig, log=print, allow_changed_settings: bool = False):
+    def __init__(self, cfg: RunConfig, log=print, allow_changed_settings: bool = False, command: str | None = None):
         self.cfg, self.log = cfg, log
+        self.command = command  # the command line that started the run, for the exports' model cards
         self.volume = SharedVolume(cfg.shared_path())
         self.run_dir = self.volume.run(cfg.run_id)
         self.allow_changed = allow_changed_settings
@@ -410,19 +422,22 @@ class Trainer:
     def run(self) -> dict:
         started = time.perf_counter()
         step = self.set_up()
-        if self.cfg.schedule.eval_before_train and step == 0:
-            self.held_out_eval(0)
-        bar = tqdm(total=self.cfg.schedule.total_steps, initial=step, desc=f"grpo {self.cfg.run_id}", unit="step")
-        while step < self.cfg.schedule.total_steps:
-            step += 1
-            metrics = self.train_step(step)
-            self.end_step(step, metrics)
-            last_eval = self.history[max(self.history)]["solve_rate"] if self.history else float("nan")
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", solve=f"{metrics['train/solve_rate']:.2f}",
-                            eval=f"{last_eval:.2f}", errors=metrics["rollout/errors"])
-            bar.update(1)
-        bar.close()
-        return self.finish(step, time.perf_counter() - started)
+        try:
+            if self.cfg.schedule.eval_before_train and step == 0:
+                self.tracker.log(eval_metrics(self.held_out_eval(0)), 0)
+            bar = tqdm(total=self.cfg.schedule.total_steps, initial=step, desc=f"grpo {self.cfg.run_id}", unit="step")
+            while step < self.cfg.schedule.total_steps:
+                step += 1
+                metrics = self.train_step(step)
+                self.end_step(step, metrics)
+                last_eval = self.history[max(self.history)]["solve_rate"] if self.history else float("nan")
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", solve=f"{metrics['train/solve_rate']:.2f}",
+                                eval=f"{last_eval:.2f}", errors=metrics["rollout/errors"])
+                bar.update(1)
+            bar.close()
+            return self.finish(step, time.perf_counter() - started)
+        finally:
+            self.tracker.close()
 
     # ---- set-up and resume --------------------------------------------------------------------------
 
@@ -451,6 +466,7 @@ class Trainer:
         step, changes = self.resume()
         self._record_settings(step, changes)
         self._truncate_metrics(step)
+        self.tracker = Tracker(cfg, self.run_dir, step)
         self.history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
         self._start_ray()
         # The workers share this machine's cores (on a cluster each gets its own node's).
@@ -640,18 +656,22 @@ class Trainer:
         metrics["timing/sync_s"] = round(time.perf_counter() - started, 3)
         final = step == sched.total_steps
         if (sched.eval_interval and step % sched.eval_interval == 0) or final:
-            summary = self.held_out_eval(step)
-            metrics["eval/solve_rate"] = summary["solve_rate"]
-            for key in ("accuracy", "mean_logprob", "changed_since_warm_start"):
-                if key in (summary.get("junctions") or {}):
-                    metrics[f"eval/junction_{key}"] = summary["junctions"][key]
+            metrics.update(eval_metrics(self.held_out_eval(step)))
         if step % sched.hf_save_interval == 0 or final:
             with staged_dir(self.volume.export(cfg.run_id, step)) as tmp:
                 save_adapter(self.model, tmp)
+                atomic_write_text(tmp / CARD, export_card(cfg, step, self.history.get(step), self.base_identity,
+                                                          self._sft_summary(), self.stream.seed_range(), self.command))
         if step % sched.ckpt_interval == 0 or final:
             save_checkpoint(self.volume, cfg.run_id, step, self.model, self.optimizer, self.stream, self.settings,
                             keep=sched.max_ckpts_to_keep, base_identity=self.base_identity, metrics=metrics)
         append_jsonl(self.volume.metrics(cfg.run_id), metrics)
+        self.tracker.log(metrics, step)
+
+    def _sft_summary(self) -> dict:
+        """Returns the warm start's own eval summary (what SFT built it from), or {} for a checkpoint from elsewhere."""
+        path = self.volume.model(self.cfg.model.path) / "eval" / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else {}
 
     # ---- the end of a run ---------------------------------------------------------------------------
 
@@ -661,8 +681,7 @@ class Trainer:
         cfg, run_id = self.cfg, self.cfg.run_id
         extended = {0: self.extended_evals(0), step: self.extended_evals(step)} if self.extended and step else {}
         steps = sorted(self.history)
-        sft_eval = self.volume.model(cfg.model.path) / "eval" / "summary.json"
-        sft_summary = json.loads(sft_eval.read_text()) if sft_eval.exists() else {}
+        sft_summary = self._sft_summary()
         data = {"sft_seeds": sft_summary.get("sft_seeds"), "rl_seeds": self.stream.seed_range()}
         atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg) + "".join(
             f"# {name}: {value or 'none drawn'}  (seeds drawn, inclusive; written at the end of the run)\n"

@@ -12,6 +12,8 @@ import html
 import json
 from pathlib import Path
 
+from shared.config import RunConfig, dump_config
+from shared.evaluation.model_card import model_card
 from shared.evaluation.plots import plot_solve_rate
 from shared.storage.files import atomic_write_text
 
@@ -120,3 +122,21 @@ interval. Warm start: {html.escape(result.get('warm_start') or 'n/a')}. Wall tim
 </body></html>
 """
     atomic_write_text(run_dir / "report.html", page)
+
+
+def export_card(cfg: RunConfig, step: int, evaluation: dict | None, base_identity: str, sft_summary: dict,
+                rl_seeds: str | None, command: str | None) -> str:
+    """Returns the model card of a local run's export at `step` (its held-out eval when one ran at that step)."""
+    a, r, env = cfg.algorithm, cfg.rollout, cfg.env
+    trained = [
+        f"{step} GRPO steps of run `{cfg.run_id}`: {r.train_batch_size} {env.id} mazes x {r.n_samples_per_prompt} "
+        f"episodes per step at temperature {r.temperature}, up to {env.max_turns} turns, reward `{env.reward}`",
+        f"advantages `{a.advantage_estimator}`, learning rate {a.lr}, LoRA rank {cfg.lora.rank} (alpha {cfg.lora.alpha}) "
+        "on the language model",
+        f"from the warm start {warm_start_kind(cfg.model.path, sft_summary)}",
+        f"training mazes: seeds {rl_seeds or 'none drawn'} from env.rl_seed_start (SFT's were "
+        f"{sft_summary.get('sft_seeds') or 'n/a'}); no held-out maze, by content",
+    ]
+    return model_card(base_model=cfg.model.base_model_id, title=f"{cfg.run_id}, step {step}", trained=trained,
+                      evaluation=evaluation, base_files=f"the warm start in `{cfg.model.path}` (files' identity "
+                      f"{base_identity}: the sha256 of its manifest)", command=command, config_yaml=dump_config(cfg))

@@ -47,11 +47,11 @@ def training_gpus(cfg: RunConfig) -> int:
     return max(cfg.cluster.num_workers, 1) * max(cfg.cluster.gpus_per_worker, 1)
 
 
-def batch_problems(cfg: RunConfig) -> list[str]:
-    """Returns why SkyRL would trim or refuse the profile's batches on its GPUs (empty when they split evenly).
+def skyrl_problems(cfg: RunConfig) -> list[str]:
+    """Returns why SkyRL would trim the profile's batches or cannot take its settings (empty when all is well).
 
     SkyRL drops trailing mazes until `mazes x n_samples_per_prompt` divides over the training GPUs
-    (`RayPPOTrainer._remove_tail_data`), silently; a profile must not rely on that.
+    (`RayPPOTrainer._remove_tail_data`), silently; a profile must not rely on that. SkyRL logs to one tracker.
     """
     gpus, n = training_gpus(cfg), cfg.rollout.n_samples_per_prompt
     stride = gpus // math.gcd(gpus, n)  # maze counts that split evenly are the multiples of this
@@ -62,7 +62,17 @@ def batch_problems(cfg: RunConfig) -> list[str]:
             fits = ", ".join(str(stride * k) for k in range(1, 5))
             problems.append(f"{key}={mazes}: {mazes} mazes x {n} samples do not split over {gpus} GPUs, so SkyRL "
                             f"would drop mazes every step; use a multiple of {stride} (e.g. {fits})")
+    trackers = [name for name in cfg.trainer.logger if name != "console"]
+    if len(trackers) > 1:
+        problems.append(f"trainer.logger={cfg.trainer.logger}: SkyRL {SKYRL_VERSION} logs to one backend (its "
+                        f"trainer.logger is one name); keep one of {', '.join(trackers)}")
     return problems
+
+
+def skyrl_logger(cfg: RunConfig) -> str:
+    """Returns SkyRL's trainer.logger for the profile's: its one tracker (tensorboard, wandb), else console."""
+    trackers = [name for name in cfg.trainer.logger if name != "console"]
+    return trackers[0] if trackers else "console"
 
 
 def data_paths(cfg: RunConfig) -> tuple[Path, Path]:
@@ -149,8 +159,9 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "trainer.dump_eval_results": True,
         "trainer.log_path": str(run / "logs"),
         "trainer.run_name": cfg.run_id,
-        "trainer.project_name": "maze-grpo",
-        "trainer.logger": "console",
+        "trainer.project_name": cfg.trainer.project_name,
+        # SkyRL logs to one backend; its TensorBoard files go to runs/<id>/tensorboard (SealingPPOExp.get_tracker).
+        "trainer.logger": skyrl_logger(cfg),
         # SkyRL's VisGym example: the first prompt (text + one picture) within 2048 tokens, the whole
         # multi-turn conversation within 8192.
         "trainer.max_prompt_length": 2048,
@@ -196,7 +207,7 @@ def skyrl_config(cfg: RunConfig, write_data: bool = True):
     from skyrl.train.config import SkyRLTrainConfig
     from skyrl.train.utils import validate_cfg
 
-    problems = batch_problems(cfg)
+    problems = skyrl_problems(cfg)
     if problems:
         raise SkyRLRejected("; ".join(problems))
     train, val = data_files(cfg) if write_data else data_paths(cfg)
@@ -224,7 +235,7 @@ def dry_run(cfg: RunConfig, config_path: str | None = None) -> tuple[list[str], 
     if skyrl_installed():
         skyrl_config(cfg, write_data=False)
         verdict = f"# validated by SkyRL {SKYRL_VERSION} (SkyRLTrainConfig.from_cli_overrides + validate_cfg)"
-    elif problems := batch_problems(cfg):
+    elif problems := skyrl_problems(cfg):
         raise SkyRLRejected("; ".join(problems))
     else:
         verdict = f"# not validated: SkyRL is not installed here ({SKYRL_PIN} needs Python >= 3.12; use .venv-skyrl)"
@@ -305,6 +316,12 @@ def sealing_experiment():
 
     class SealingPPOExp(BasePPOExp):
         trainer_class = SealingTrainer
+
+        def get_tracker(self):
+            # SkyRL's TensorBoard tracker writes to $TENSORBOARD_DIR (default: ./tensorboard_log, wherever the task
+            # runs): the run's own folder on the volume instead, beside its exports.
+            os.environ.setdefault("TENSORBOARD_DIR", str(Path(self.cfg.trainer.export_path).parent / "tensorboard"))
+            return super().get_tracker()
 
         def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
                         generator, colocate_pg):

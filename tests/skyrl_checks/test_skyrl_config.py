@@ -17,10 +17,10 @@ from transformers import AutoTokenizer
 
 from services.trainer.skyrl_backend import (
     SkyRLRejected,
-    batch_problems,
     data_files,
     skyrl_config,
     skyrl_overrides,
+    skyrl_problems,
     to_cli,
     training_gpus,
 )
@@ -91,7 +91,7 @@ def test_batch_check_agrees_with_skyrls_trimming(mazes, samples, gpus, tmp_path)
                f"cluster.num_workers={gpus // 2}", "cluster.gpus_per_worker=2", f"cluster.num_engines={gpus}",
                "algorithm.mini_batch_size=null")  # one update a step: the profile's 12 divides 24 mazes only
     assert training_gpus(cfg) == gpus
-    assert (len(kept) == mazes) == (not batch_problems(cfg)), (mazes, samples, gpus, len(kept))
+    assert (len(kept) == mazes) == (not skyrl_problems(cfg)), (mazes, samples, gpus, len(kept))
 
 
 def test_the_old_batch_of_16_loses_a_maze_every_step_and_is_refused(tmp_path):
