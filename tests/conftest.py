@@ -3,10 +3,12 @@
 import importlib.metadata
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,29 @@ def warm_start_5x5(tmp_path_factory, worker_id) -> Path:
                                   env={**os.environ, "SHARED_DIR": str(shared)}, capture_output=True, text=True)
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return shared / "models"
+
+
+@pytest.fixture(scope="session")
+def ray_head_address():
+    """One Ray head on loopback for the session's trainer runs (`RAY_ADDRESS`: each joins it instead of starting a
+    Ray of its own, about 10-20 s apiece here); the learning test and the other modules start theirs, as
+    `make train` does. Its ports are its own, so it never meets another Ray on the machine."""
+    from shared.local_ray import stop_ray_started_in
+
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    port = free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+                    "--include-dashboard=false", f"--dashboard-agent-listen-port={free_port()}",
+                    f"--temp-dir={temp_dir}", "--disable-usage-stats"], check=True, env=env, capture_output=True,
+                   timeout=180)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_ray_started_in(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

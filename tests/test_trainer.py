@@ -1,6 +1,7 @@
 """GRPO trainer: the math by hand, a 2-step end-to-end run, kill-and-resume equivalence."""
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -195,10 +196,12 @@ def test_loss_reductions_weigh_tokens_or_samples():
         loss_row_weights(mask, "sum", 4, 2)
 
 
-def _train(shared: Path, run_id: str, extra=(), wait=True):
+def _train(shared: Path, run_id: str, extra=(), wait=True, ray_address: str | None = None):
     cmd = [sys.executable, "-m", "services.trainer", *MINIMAL, f"run_id={run_id}", *extra]
     # W&B, where a test asks for it (trainer.logger), logs offline: into the run's folder, no account.
     env = {**os.environ, "SHARED_DIR": str(shared), "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
     if wait:
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -248,19 +251,25 @@ def _wandb_history(run_file: Path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def train(ray_head_address):
+    """`_train` joining the session's Ray head: the trainer runs below share one Ray instead of starting one each."""
+    return functools.partial(_train, ray_address=ray_head_address)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, train):
     shared = tmp_path_factory.mktemp("trainer")
-    proc = _train(shared, "full")
+    proc = train(shared, "full")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return shared, proc
 
 
 @pytest.mark.slow
-def test_greedy_branch_steps_replay_changed_decisions_and_train(trained):
+def test_greedy_branch_steps_replay_changed_decisions_and_train(trained, train):
     """greedy_branch rollouts: each maze's greedy anchor, then at most rollout.branch_turns branches per maze that
     change one of its decisions and play on greedily; branches that end otherwise than their anchor train."""
     shared, _ = trained
-    proc = _train(shared, "greedy-branch", extra=[
+    proc = train(shared, "greedy-branch", extra=[
         "rollout.strategy=greedy_branch", "algorithm.advantage_estimator=grpo", "rollout.branch_turns=2",
         "rollout.branch_min_prob=0", "rollout.branch_step_back=false", "rollout.eval_samples=0"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -359,11 +368,11 @@ def test_two_step_run_writes_every_artifact(trained):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_reproduces_the_uninterrupted_run(trained):
+def test_kill_and_resume_reproduces_the_uninterrupted_run(trained, train):
     shared, _ = trained
     # Share the built models so only the GRPO part runs again.
     loggers = ["trainer.logger=[console,tensorboard,wandb]"]
-    proc = _train(shared, "killed", extra=loggers, wait=False)
+    proc = train(shared, "killed", extra=loggers, wait=False)
     deadline = time.time() + 600
     ckpts = shared / "runs" / "killed" / "ckpts"
     while not (ckpts / "global_step_1" / "manifest.json").exists() and time.time() < deadline and proc.poll() is None:
@@ -381,7 +390,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(trained):
     if metrics.exists():
         metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
                                    if json.loads(line)["step"] < 1))
-    resumed = _train(shared, "killed", extra=loggers)
+    resumed = train(shared, "killed", extra=loggers)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resuming killed" in resumed.stdout
     # The steps replayed after the checkpoint appear once in TensorBoard (the killed run's events for them are
@@ -403,25 +412,25 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(trained):
 
 
 @pytest.mark.slow
-def test_corrupt_checkpoint_is_skipped_with_a_warning(trained):
+def test_corrupt_checkpoint_is_skipped_with_a_warning(trained, train):
     shared, _ = trained
     run = shared / "runs" / "corrupt"
     shutil.copytree(shared / "runs" / "full", run)
     with open(run / "ckpts" / "global_step_2" / "optimizer.pt", "ab") as handle:
         handle.write(b"tampered")
-    proc = _train(shared, "corrupt", extra=["schedule.total_steps=2"])
+    proc = train(shared, "corrupt", extra=["schedule.total_steps=2"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "skipping" in proc.stdout and "global_step_2" in proc.stdout
     assert "resuming corrupt" in proc.stdout and "(step 1)" in proc.stdout
 
 
 @pytest.mark.slow
-def test_restart_from_scratch_keeps_every_eval_in_history(trained):
+def test_restart_from_scratch_keeps_every_eval_in_history(trained, train):
     shared, _ = trained
     run = shared / "runs" / "fresh"
     shutil.copytree(shared / "runs" / "full", run)
     shutil.rmtree(run / "ckpts")  # no checkpoint: the run starts again from step 0, its evals already on disk
-    proc = _train(shared, "fresh")
+    proc = train(shared, "fresh")
     assert proc.returncode == 0, proc.stderr[-2000:]
     history = [json.loads(line)["step"] for line in (run / "evals" / "history.jsonl").read_text().splitlines()]
     assert sorted(history) == [0, 1, 2], history
@@ -430,7 +439,7 @@ def test_restart_from_scratch_keeps_every_eval_in_history(trained):
 
 
 @pytest.mark.slow
-def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained):
+def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained, train):
     shared, _ = trained
     run = shared / "runs" / "changed"
     shutil.copytree(shared / "runs" / "full", run)
@@ -440,7 +449,7 @@ def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained):
                     "--allow-changed-settings"))
     assert (run / "config_history.jsonl").read_text().splitlines() == history, "a refused start records nothing"
     # On purpose: the run goes on with the new settings, and its history says what changed when.
-    proc = _train(shared, "changed", extra=["algorithm.lr=1.0", "rollout.n_samples_per_prompt=4",
+    proc = train(shared, "changed", extra=["algorithm.lr=1.0", "rollout.n_samples_per_prompt=4",
                                             "schedule.total_steps=3", "--allow-changed-settings"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     starts = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
@@ -453,7 +462,7 @@ def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained):
     fresh = shared / "runs" / "changed-evals"
     shutil.copytree(shared / "runs" / "full", fresh)
     shutil.rmtree(fresh / "ckpts")
-    proc = _train(shared, "changed-evals", extra=["rollout.eval_temperature=0.5"])
+    proc = train(shared, "changed-evals", extra=["rollout.eval_temperature=0.5"])
     assert proc.returncode != 0 and "global_step_0 was scored under other settings (eval_settings differ)" in proc.stderr
 
 
@@ -522,16 +531,17 @@ def test_a_run_lock_holding_garbage_is_taken_over_as_stale(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_loses_nothing(tmp_path):
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_loses_nothing(tmp_path, trained, train):
     """The run's ckpts/ is a 16 KB file system: the first checkpoint cannot be written (a real ENOSPC)."""
     shared = tmp_path
     if os.geteuid() != 0:
         pytest.fail("needs root to mount a small tmpfs (make test runs as root in CI)")
+    shutil.copytree(trained[0] / "models", shared / "models")  # the warm start built once: only the step runs
     ckpts = shared / "runs" / "diskfull" / "ckpts"
     ckpts.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(ckpts)], check=True)
     try:
-        proc = _train(shared, "diskfull", extra=["schedule.total_steps=1"])
+        proc = train(shared, "diskfull", extra=["schedule.total_steps=1"])
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         line = proc.stderr.strip().splitlines()[-1]
         assert "disk is full" in line and "nothing is lost" in line, line
