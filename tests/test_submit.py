@@ -129,6 +129,21 @@ def test_submit_needs_an_address(tmp_path):
     assert proc.returncode != 0 and "RAY_ADDRESS" in proc.stderr
 
 
+def test_a_cluster_the_plugin_cannot_reach_is_one_line_naming_the_set_up(tmp_path):
+    """No HyperPod cluster named (the preflight is skipped) and no kubeconfig on this machine: the address plugin's
+    own error, in one line, with the section of the runbook that sets it up; never a traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "KUBECONFIG")}
+    env.update(HOME=str(tmp_path), SHARED_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", "submit", "--config", "configs/qwen3vl-8b-hyperpod.yaml",
+                           "cluster.hyperpod_cluster=", "--no-follow"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: cannot reach the Ray cluster at sagemaker_ray://maze-grpo/default: KubeconfigError")
+    assert "docs/hyperpod.md, section 1" in line and "aws eks update-kubeconfig" in line
+    assert not (tmp_path / ".local").exists(), "nothing recorded: no job was submitted"
+
+
 def test_sagemaker_ray_address_plugin_is_installed():
     """Ray resolves `sagemaker_ray://...` by importing the module the scheme names and calling its
     `get_job_submission_client_cluster_info` (ray.dashboard.modules.dashboard_sdk): both must be there."""

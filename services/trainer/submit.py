@@ -111,7 +111,14 @@ def job_client(address: str):
         except ImportError:
             raise SystemExit("sagemaker_ray:// addresses need the package toolkit-for-ray-on-sagemaker-ai "
                              "(pip install '.[trainer]'), and AWS credentials for the cluster") from None
-    return JobSubmissionClient(address)
+    try:
+        return JobSubmissionClient(address)
+    except Exception as exc:  # the address plugin and Ray's client raise types of their own (kubeconfig, auth, HTTP)
+        reason = " ".join(str(exc).split())[:400] or type(exc).__name__
+        hint = (" (docs/hyperpod.md, section 1: the Ray endpoint operator, the EKS access entry and "
+                "`aws eks update-kubeconfig --name <EKS cluster>` on this machine)" if address.startswith("sagemaker_ray://")
+                else "; check RAY_ADDRESS and that the head's dashboard (port 8265) answers")
+        raise PreflightError(f"cannot reach the Ray cluster at {address}: {type(exc).__name__}: {reason}{hint}") from None
 
 
 def submit_when_ready(client, entrypoint: str, runtime_env: dict, metadata: dict, log, wait_s: float = 120) -> str:
