@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -244,6 +245,35 @@ def test_bad_input_and_engine_failures_get_one_line_and_the_server_stays_up(vllm
         assert words in error["message"] and "\n" not in error["message"] and len(error["message"]) < 700, (name, error)
     for model in (BASE, f"{BASE}:{run_id}-step4"):
         assert _chat(url, model, _maze_content()).status_code == 200, f"{model} after the failures"
+
+
+@needs_vllm
+def test_watch_scores_each_export_through_the_endpoint_once_the_exporter_published_it(vllm_server):
+    """`evaluator --watch RUN --base-url`: how an 8B run's exports are scored on the cluster (a GPU vLLM server, not
+    the evaluator's CPU). An export the endpoint does not list yet waits; once exported, each is scored once."""
+    url, env, run_id = vllm_server
+    volume = Path(env["SHARED_DIR"])
+    shutil.copytree(volume / "runs" / run_id / "exports", volume / "runs" / "watched" / "exports")
+    watch = [sys.executable, "-m", "services.evaluator", "--watch", "watched", "--once", "--base-url", url,
+             f"model.base_model_id={BASE}", "env.eval_seeds=0-3"]
+
+    def run():
+        return subprocess.run(watch, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+    waiting = run()
+    assert waiting.returncode == 0, waiting.stderr[-2000:]
+    assert f"does not serve {BASE}:watched-step2 yet" in waiting.stderr and "python -m services.exporter --run watched" in waiting.stderr
+    history = volume / "runs" / "watched" / "evals" / "watch" / "history.jsonl"
+    assert not history.exists() or not history.read_text().strip(), "nothing scored before it is served"
+    _export(env, "--run", "watched")
+    scored = run()
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    rows = [json.loads(line) for line in history.read_text().splitlines()]
+    assert [(r["step"], r["adapter"], r["total"], r["errors"]) for r in rows] == [
+        (2, "watched-step2", 4, 0), (4, "watched-step4", 4, 0)]
+    assert json.loads((volume / "runs" / "watched" / "evals" / "watch_step_4" / "summary.json").read_text())["base_url"] == url
+    again = run()
+    assert again.returncode == 0 and len(history.read_text().splitlines()) == 2, "each export scored once"
 
 
 @needs_vllm

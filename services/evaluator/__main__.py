@@ -4,7 +4,7 @@
     python -m services.evaluator --model DIR [--adapter EXPORT_DIR | --adapter S3_ADAPTER_ID]
     python -m services.evaluator --base-url http://127.0.0.1:8000 --model-name tiny-qwen3vl-sft:ADAPTER
     python -m services.evaluator --compare EVAL_DIR_A EVAL_DIR_B --out DIR
-    python -m services.evaluator --watch RUN_ID             # evaluate each new export as it lands
+    python -m services.evaluator --watch RUN_ID [--base-url URL]   # evaluate each new export as it lands
     python -m services.evaluator play [--seed 7]            # play against the server (make play)
 
 Writes summary.json, episodes.jsonl, gifs/ and report.html to runs/<run>/evals/<name>/ or --out.
@@ -155,11 +155,15 @@ def complete_exports(volume: SharedVolume, run_id: str) -> list[tuple[int, Path]
     return storage_complete_exports(volume, run_id, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
 
 
-def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: float) -> None:
+def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: float, base_url: str | None = None,
+          deadline_s: float = 120.0) -> None:
     """Evaluates each complete export of a run once; keeps history.jsonl and solve_rate_vs_step.png.
 
-    On a SkyRL run, each history row also carries `skyrl_solve_rate`: SkyRL's own eval of that step
-    (`eval/all/environment/solved` from its eval dumps), printed beside ours.
+    In-process by default; with `base_url`, through that endpoint (a vLLM server on a GPU: an 8B model in minutes,
+    where CPU takes hours), asking for each export by the id the exporter gives it, `<base>:<run>-step<N>`; an
+    export the endpoint does not list yet is left for a later pass. On a SkyRL run, each history row also carries
+    `skyrl_solve_rate`: SkyRL's own eval of that step (`eval/all/environment/solved` from its eval dumps), printed
+    beside ours.
     """
     volume = SharedVolume(cfg.shared_path())
     model_dir = volume.model(cfg.model.path)
@@ -167,11 +171,23 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
     while True:
         done = {int(r["step"]) for r in read_jsonl(history_path)}
         skyrl_evals = skyrl_eval_metrics(volume.run(run_id))  # once a pass: SkyRL's eval dumps, if any
+        served = endpoint_engine(cfg, base_url, None, deadline_s).served_models() if base_url else set()
         for step, policy in complete_exports(volume, run_id):
             if step in done:
                 continue
             out = volume.eval(run_id, f"watch_step_{step}")
-            summary = eval_local(cfg, eval_set, model_dir, policy, out, gifs=False)
+            if base_url:
+                name = f"{cfg.model.base_model_id}:{run_id}-step{step}"
+                if name not in served:
+                    print(f"step {step}: {base_url} does not serve {name} yet (the exporter publishes it: python -m "
+                          f"services.exporter --run {run_id}); left for a later pass", file=sys.stderr)
+                    continue
+                engine = endpoint_engine(cfg, base_url, name, deadline_s)
+                summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=engine.name,
+                                      adapter=engine.adapter, extra={"base_url": base_url}, seed=cfg.seed)
+                finish(out, summary, False, cfg.env.cell_px)
+            else:
+                summary = eval_local(cfg, eval_set, model_dir, policy, out, gifs=False)
             if summary["errors"]:  # not a measurement: left out of the history, tried again next pass
                 print(f"warning: step {step}: {summary['errors']} mazes could not be scored; will retry", file=sys.stderr)
                 if once:
@@ -294,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="output folder (instead of runs/<run>/evals/<name>)")
     parser.add_argument("--model", default=None, help="model folder (default: the profile's model.path)")
     parser.add_argument("--adapter", default=None, help="LoRA export folder, or an adapter id in $S3_URI/adapters/")
-    parser.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000; "
+                        "with --watch, each export is asked for as <base>:<run>-step<N> (the exporter's ids)")
     parser.add_argument("--request-deadline", type=positive_seconds, default=120.0, metavar="SECONDS",
                         help="with --base-url: the most one request (its retries included) may take (default 120)")
     parser.add_argument("--model-name", default=None, help="model name for --base-url (base or base:adapter)")
@@ -334,7 +351,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"error: cannot compare {args.compare[0]} and {args.compare[1]} into {out}: {exc}")
         return
     if args.watch:
-        watch(cfg, eval_set, args.watch, args.once, args.poll)
+        try:
+            watch(cfg, eval_set, args.watch, args.once, args.poll, args.base_url, args.request_deadline)
+        except ConnectionError as exc:
+            sys.exit(f"error: {exc}")
         return
 
     try:

@@ -76,6 +76,16 @@ class OpenAIEngine:
         except httpx.HTTPError as exc:
             raise ConnectionError(f"endpoint {self.base_url} is not reachable ({exc}); start it with `make serve`") from None
 
+    def served_models(self) -> set[str]:
+        """Returns the model ids the endpoint lists (/models: the base and every adapter it can serve); ConnectionError
+        naming the URL when it does not answer."""
+        try:
+            response = self.client.get(f"{self.base_url}/models")
+            response.raise_for_status()
+            return {str(entry.get("id")) for entry in response.json().get("data", []) if isinstance(entry, dict)}
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise ConnectionError(f"endpoint {self.base_url} did not list its models ({exc})") from None
+
     def _post(self, body: dict, deadline: float) -> tuple[int, bytes]:
         """Returns (status, body bytes) of one chat request; ReplyRefused past the size cap or the deadline."""
         remaining = deadline - time.monotonic()
