@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.dashboards.provision import DATASOURCE_UID, FOLDER_UID, build_dashboards
+from services.dashboards.provision import DATASOURCE_UID, FOLDER_UID, TRAINING_PANELS, build_dashboards
 from shared.local_ray import stop_ray_started_in
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,9 +96,9 @@ def _provision(url, token=TOKEN, *extra):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-def test_four_dashboards_built_from_ray_with_stable_uids():
+def test_ray_dashboards_and_the_training_curve_with_stable_uids():
     dashboards = build_dashboards()
-    assert [d["title"] for d in dashboards] == ["Ray Core", "Ray Data", "Ray Train", "Ray Serve"]
+    assert [d["title"] for d in dashboards] == ["Ray Core", "Ray Data", "Ray Train", "Ray Serve", "maze-grpo training"]
     assert [d["uid"] for d in dashboards] == [d["uid"] for d in build_dashboards()]
     for d in dashboards:
         refs = re.findall(r'"datasource": (\{[^}]*\}|"[^"]*")', json.dumps(d["panels"]))
@@ -108,12 +108,13 @@ def test_four_dashboards_built_from_ray_with_stable_uids():
 def test_provisioning_and_idempotence(grafana):
     first = _provision(grafana)
     assert first.returncode == 0, first.stderr
-    assert "4 dashboards provisioned" in first.stdout
+    assert "5 dashboards provisioned" in first.stdout
     state = FakeGrafana.state
     assert state["folders"][FOLDER_UID]["title"] == "Ray"
     ds = state["datasources"][DATASOURCE_UID]
     assert ds["type"] == "prometheus" and ds["url"] == "http://127.0.0.1:9090"
-    assert sorted(b["dashboard"]["title"] for b in state["dashboards"].values()) == ["Ray Core", "Ray Data", "Ray Serve", "Ray Train"]
+    assert sorted(b["dashboard"]["title"] for b in state["dashboards"].values()) == [
+        "Ray Core", "Ray Data", "Ray Serve", "Ray Train", "maze-grpo training"]
     assert all(b["overwrite"] and b["folderUid"] == FOLDER_UID for b in state["dashboards"].values())
     creates = [r for r in FakeGrafana.requests if r[0] == "POST" and r[1] in ("/api/folders", "/api/datasources")]
     assert len(creates) == 2
@@ -124,7 +125,7 @@ def test_provisioning_and_idempotence(grafana):
     methods = [(m, p) for m, p, _ in FakeGrafana.requests]
     assert ("POST", "/api/folders") not in methods and ("POST", "/api/datasources") not in methods
     assert ("PUT", f"/api/datasources/uid/{DATASOURCE_UID}") in methods
-    assert len(state["dashboards"]) == 4 and len(state["folders"]) == 1 and len(state["datasources"]) == 1
+    assert len(state["dashboards"]) == 5 and len(state["folders"]) == 1 and len(state["datasources"]) == 1
 
 
 def test_amp_sigv4_datasource(grafana):
@@ -153,7 +154,7 @@ def test_out_writes_json_files(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["ray-core.json", "ray-data.json", "ray-serve.json", "ray-train.json"]
+    assert names == ["maze-grpo-training.json", "ray-core.json", "ray-data.json", "ray-serve.json", "ray-train.json"]
     assert json.loads((tmp_path / "ray-core.json").read_text())["title"] == "Ray Core"
 
 
@@ -204,13 +205,25 @@ def test_dashboard_queries_run_against_real_prometheus_and_ray(tmp_path):
             "@ray.remote\ndef f(x): time.sleep(0.05); return x\n"
             "@ray.remote\nclass A:\n    def g(self): return 1\n"
             "ray.get([f.remote(i) for i in range(40)]); a = A.remote(); ray.get([a.g.remote() for _ in range(20)])\n"
-            "time.sleep(8)\n"
+            # A run's step lines through the trainer's own exporter, as services.trainer.grpo logs them.
+            "from services.trainer.tracking import RayMetrics, scalars\n"
+            "run = RayMetrics('prom-run')\n"
+            "for step in (1, 2):\n"
+            "    run.log(scalars({'step': step, 'reward/mean': 0.25 * step, 'train/solve_rate': 0.125 * step,\n"
+            "        'eval/solve_rate': 0.375, 'policy/kl': 0.01, 'timing/rollout_s': 1.5, 'timing/train_s': 2.0,\n"
+            "        'timing/sync_s': 0.5, 'throughput/rollout_tokens_per_s': 120.0}), step)\n"
+            "print('logged', flush=True)\n"
+            "time.sleep(120)\n"  # alive while Prometheus is asked: a run's gauges are exported while it runs
         )
-        subprocess.run([sys.executable, "-c", workload], check=True, env=env, timeout=180, cwd=REPO)
-        time.sleep(3)
+        driver = subprocess.Popen([sys.executable, "-c", workload], env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        assert driver.stdout.readline().strip() == "logged", "the workload did not run"
+        deadline = time.time() + 60
+        while time.time() < deadline and not httpx.get(f"{url}/api/v1/query", params={"query": "ray_maze_grpo_step"},
+                                                       timeout=30).json()["data"]["result"]:
+            time.sleep(1)
         results = {}
         for dashboard in build_dashboards():
-            if dashboard["title"] not in ("Ray Core", "Ray Serve"):
+            if dashboard["title"] not in ("Ray Core", "Ray Serve", "maze-grpo training"):
                 continue
             for title, expr in _exprs(dashboard):
                 response = httpx.get(f"{url}/api/v1/query", params={"query": _substitute(expr)}, timeout=30).json()
@@ -220,6 +233,15 @@ def test_dashboard_queries_run_against_real_prometheus_and_ray(tmp_path):
             with_data = sorted({t for t, has in rows if has})
             print(f"{name}: {len(rows)} queries parse; panels with data ({len(with_data)}): {with_data}")
         assert any(has for _, has in results["Ray Core"]), "no Ray Core panel returned data"
+        # Every panel of the training curve returns the run's series, with the last values it logged.
+        assert all(has for _, has in results["maze-grpo training"]), results["maze-grpo training"]
+        def value(expr):
+            result = httpx.get(f"{url}/api/v1/query", params={"query": _substitute(expr)}, timeout=30).json()["data"]["result"]
+            return {r["metric"]["run_id"]: float(r["value"][1]) for r in result}
+        assert value('ray_maze_grpo_metric{metric="reward/mean"}') == {"prom-run": 0.5}
+        assert value('ray_maze_grpo_step') == {"prom-run": 2.0}
+        assert value(TRAINING_PANELS["Step time (rollout + train + sync, s)"]) == {"prom-run": 4.0}
+        driver.kill()
     finally:
         stop_ray_started_in(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,9 +1,10 @@
-"""python -m services.dashboards: put the Ray Core, Ray Data, Ray Train and Ray Serve dashboards into Grafana.
+"""python -m services.dashboards: put the Ray Core, Ray Data, Ray Train and Ray Serve dashboards into Grafana,
+and "maze-grpo training" (the trainer's step metrics, which it exports as Ray metrics).
 
     make dashboards                      # GRAFANA_URL, GRAFANA_TOKEN, PROMETHEUS_URL from the environment
     python -m services.dashboards --grafana-url URL --token TOKEN --prometheus-url URL
     python -m services.dashboards --amp-workspace-url URL --region us-west-2   # Amazon Managed Prometheus (SigV4)
-    python -m services.dashboards --out DIR     # write the four dashboard JSON files instead
+    python -m services.dashboards --out DIR     # write the five dashboard JSON files instead
     python -m services.dashboards monitor       # a local Prometheus on loopback scraping Ray (make monitor)
 
 Idempotent: a second run updates the folder, data source and dashboards in place.
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {exc}")
     except Exception as exc:
         sys.exit(f"error: provisioning Grafana at {grafana_url} failed ({type(exc).__name__}: {exc})")
-    print(f"done: folder {done['folder']}, data source {done['datasource']}, 4 dashboards provisioned")
+    print(f"done: folder {done['folder']}, data source {done['datasource']}, {len(done) - 2} dashboards provisioned")
 
 
 if __name__ == "__main__":

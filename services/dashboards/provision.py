@@ -1,8 +1,9 @@
-"""The four Ray dashboards, built from Ray's own definitions and provisioned into Grafana.
+"""The four Ray dashboards, built from Ray's own definitions, and the training curve, provisioned into Grafana.
 
 Ray generates its dashboards without a cluster (`ray.dashboard.modules.metrics.grafana_dashboard_factory`);
 we retitle them, keep their stable uids, bind every panel to one Prometheus data source, and put them in
-a folder "Ray" through grafana-client (`GrafanaApi`, token auth as Amazon Managed Grafana uses).
+a folder "Ray" through grafana-client (`GrafanaApi`, token auth as Amazon Managed Grafana uses). Beside them,
+"maze-grpo training": the trainer's step metrics, which it exports as Ray metrics (services/trainer/tracking.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,34 @@ DASHBOARDS = {
 }
 
 
+TRAINING_TITLE, TRAINING_UID = "maze-grpo training", "maze-grpo-training"
+# panel title -> PromQL over the trainer's gauge (one series per run; $run_id is the dashboard's run picker)
+TRAINING_PANELS = {
+    "Reward (mean of the step's episodes)": 'ray_maze_grpo_metric{metric="reward/mean", run_id=~"$run_id"}',
+    "Solve rate of the sampled training episodes": 'ray_maze_grpo_metric{metric="train/solve_rate", run_id=~"$run_id"}',
+    "Held-out solve rate (64 mazes, greedy)": 'ray_maze_grpo_metric{metric="eval/solve_rate", run_id=~"$run_id"}',
+    "KL(old || new) of the update": 'ray_maze_grpo_metric{metric="policy/kl", run_id=~"$run_id"}',
+    "Step time (rollout + train + sync, s)": 'sum by (run_id) (ray_maze_grpo_metric{metric=~"timing/(rollout|train|sync)_s", '
+                                              'run_id=~"$run_id"})',
+    "Rollout tokens/s": 'ray_maze_grpo_metric{metric="throughput/rollout_tokens_per_s", run_id=~"$run_id"}',
+    "GRPO step": 'ray_maze_grpo_step{run_id=~"$run_id"}',
+}
+
+
+def training_dashboard(reference: dict) -> dict:
+    """Returns the training curve's dashboard: one time-series panel per TRAINING_PANELS entry, a run picker."""
+    panels = [{"id": index + 1, "type": "timeseries", "title": title, "datasource": dict(reference),
+               "gridPos": {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)},
+               "targets": [{"refId": "A", "expr": expr, "legendFormat": "{{run_id}}", "datasource": dict(reference)}]}
+              for index, (title, expr) in enumerate(TRAINING_PANELS.items())]
+    run_picker = {"name": "run_id", "label": "run", "type": "query", "datasource": dict(reference), "refresh": 2,
+                  "query": "label_values(ray_maze_grpo_step, run_id)", "includeAll": True, "multi": True,
+                  "current": {"selected": True, "text": "All", "value": "$__all"}}
+    return {"id": None, "uid": TRAINING_UID, "title": TRAINING_TITLE, "tags": ["maze-grpo"], "timezone": "utc",
+            "schemaVersion": 39, "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
+            "templating": {"list": [run_picker]}, "panels": panels}
+
+
 class ProvisionError(RuntimeError):
     """Grafana refused or could not be reached; the message says which step and why."""
 
@@ -42,7 +71,8 @@ def _bind(node, datasource: dict):
 
 
 def build_dashboards(datasource_uid: str = DATASOURCE_UID, datasource_name: str = DATASOURCE_NAME) -> list[dict]:
-    """Returns the four dashboards (Grafana JSON), titled, with stable uids, bound to the data source."""
+    """Returns Ray's four dashboards and the training curve (Grafana JSON), titled, with stable uids, bound to the
+    data source."""
     from ray.dashboard.modules.metrics import grafana_dashboard_factory as factory
 
     reference = {"type": "prometheus", "uid": datasource_uid}
@@ -62,6 +92,7 @@ def build_dashboards(datasource_uid: str = DATASOURCE_UID, datasource_name: str 
             if variable.get("type") == "query":
                 variable["datasource"] = dict(reference)
         dashboards.append(dashboard)
+    dashboards.append(training_dashboard(reference))
     return dashboards
 
 
@@ -141,7 +172,7 @@ def provision(api, prometheus_url: str, sigv4_region: str | None = None, log=pri
 
 
 def write_files(out_dir, datasource_uid: str = DATASOURCE_UID) -> list:
-    """Writes the four dashboards as JSON files (for file-based provisioning); returns their paths."""
+    """Writes the five dashboards as JSON files (for file-based provisioning); returns their paths."""
     from pathlib import Path
 
     out = Path(out_dir)

@@ -1,5 +1,7 @@
 """Where a local run's step metrics go beside metrics.jsonl (`trainer.logger`): TensorBoard event files under the
-run (`tensorboard --logdir runs/<id>/tensorboard`), and W&B when asked for.
+run (`tensorboard --logdir runs/<id>/tensorboard`), and W&B when asked for. Always, as Ray metrics: the gauge
+`ray_maze_grpo_metric{run_id, metric}` and `ray_maze_grpo_step{run_id}`, exported by Ray's metrics agent beside
+Ray's own, so the Prometheus that scrapes Ray holds the training curve ("maze-grpo training" in Grafana).
 
 Every number of a step's metrics line is logged at that step (reward, sampled and held-out solve rates, KL, step
 times, tokens/s); the held-out eval of the warm start at step 0. A resumed run replays the steps after its
@@ -21,8 +23,32 @@ def scalars(metrics: dict) -> dict[str, float]:
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)}
 
 
+class RayMetrics:
+    """The step's numbers as Ray gauges (made on first use, once Ray is up; nothing without Ray)."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.metric = self.step = None
+
+    def log(self, numbers: dict[str, float], step: int) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        if self.metric is None:
+            from ray.util.metrics import Gauge
+
+            self.metric = Gauge("maze_grpo_metric", description="a GRPO run's step metric (its metrics.jsonl key)",
+                                tag_keys=("run_id", "metric"))
+            self.step = Gauge("maze_grpo_step", description="the last GRPO step a run finished", tag_keys=("run_id",))
+        for key, value in numbers.items():
+            self.metric.set(value, tags={"run_id": self.run_id, "metric": key})
+        self.step.set(step, tags={"run_id": self.run_id})
+
+
 class Tracker:
     def __init__(self, cfg: RunConfig, run_dir: Path, start_step: int):
+        self.ray = RayMetrics(cfg.run_id)
         self.tensorboard = self.wandb = None
         if "tensorboard" in cfg.trainer.logger:
             from torch.utils.tensorboard import SummaryWriter
@@ -34,6 +60,7 @@ class Tracker:
 
     def log(self, metrics: dict, step: int) -> None:
         numbers = scalars(metrics)
+        self.ray.log(numbers, step)
         if self.tensorboard is not None:
             for key, value in numbers.items():
                 self.tensorboard.add_scalar(key, value, step)
