@@ -123,6 +123,15 @@ def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: 
     return summary
 
 
+def eval_endpoint(cfg: RunConfig, eval_set: EvalSet, engine, base_url: str, out: Path, gifs=True,
+                  settings: EpisodeSettings | None = None, samples: int = 1) -> dict:
+    """Plays eval_set through an endpoint engine into `out` (summary, episodes, report); returns the summary."""
+    summary, _ = evaluate(engine, eval_set, settings or EpisodeSettings.from_config(cfg), out, model=engine.name,
+                          adapter=engine.adapter, extra={"base_url": base_url}, samples=samples, seed=cfg.seed)
+    finish(out, summary, gifs and samples == 1, cfg.env.cell_px)
+    return summary
+
+
 def endpoint_engine(cfg: RunConfig, base_url: str, model_name: str | None, deadline_s: float = 120.0):
     """Returns an OpenAI-endpoint engine with SERVER_API_KEY, the profile's context limits and a request deadline."""
     from shared.models.endpoint import OpenAIEngine
@@ -168,10 +177,11 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
     volume = SharedVolume(cfg.shared_path())
     model_dir = volume.model(cfg.model.path)
     history_path = volume.run(run_id) / "evals" / "watch" / "history.jsonl"
+    listing = endpoint_engine(cfg, base_url, None, deadline_s) if base_url else None
     while True:
         done = {int(r["step"]) for r in read_jsonl(history_path)}
         skyrl_evals = skyrl_eval_metrics(volume.run(run_id))  # once a pass: SkyRL's eval dumps, if any
-        served = endpoint_engine(cfg, base_url, None, deadline_s).served_models() if base_url else set()
+        served = listing.served_models() if listing else set()
         for step, policy in complete_exports(volume, run_id):
             if step in done:
                 continue
@@ -182,10 +192,8 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
                     print(f"step {step}: {base_url} does not serve {name} yet (the exporter publishes it: python -m "
                           f"services.exporter --run {run_id}); left for a later pass", file=sys.stderr)
                     continue
-                engine = endpoint_engine(cfg, base_url, name, deadline_s)
-                summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=engine.name,
-                                      adapter=engine.adapter, extra={"base_url": base_url}, seed=cfg.seed)
-                finish(out, summary, False, cfg.env.cell_px)
+                summary = eval_endpoint(cfg, eval_set, endpoint_engine(cfg, base_url, name, deadline_s), base_url, out,
+                                        gifs=False)
             else:
                 summary = eval_local(cfg, eval_set, model_dir, policy, out, gifs=False)
             if summary["errors"]:  # not a measurement: left out of the history, tried again next pass
@@ -363,9 +371,8 @@ def main(argv: list[str] | None = None) -> None:
             engine.check()
             name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
             out = Path(args.out) if args.out else volume.eval(args.run or "endpoint", name)
-            summary, _ = evaluate(engine, eval_set, settings, out, model=engine.name, adapter=engine.adapter,
-                                  extra={"base_url": args.base_url}, samples=args.samples, seed=cfg.seed)
-            finish(out, summary, not args.no_gifs and args.samples == 1, cfg.env.cell_px)
+            summary = eval_endpoint(cfg, eval_set, engine, args.base_url, out, gifs=not args.no_gifs,
+                                    settings=settings, samples=args.samples)
             exit_on_errors([summary], out)
             return
         model_dir = Path(args.model) if args.model else volume.model(cfg.model.path)

@@ -116,14 +116,17 @@ class Exporter:
     def complete_exports(self, run_id: str) -> list[tuple[int, Path]]:
         return complete_exports(self.volume, run_id, warn=lambda m: self.log(f"warning: {m}"))
 
-    def eval_summary(self, run_id: str, step: int) -> dict | None:
+    def eval_summary(self, run_id: str, step: int, skyrl_evals: dict[int, dict] | None = None) -> dict | None:
         """Returns the held-out eval of a step: the local trainer's (evals/global_step_N), else the evaluator's watch
-        (evals/watch_step_N), else SkyRL's own (exports/dumped_evals/, a SkyRL run's); None when there is none."""
+        (evals/watch_step_N), else SkyRL's own (exports/dumped_evals/, a SkyRL run's, read once per run by the caller
+        as `skyrl_evals`); None when there is none."""
         for name in (f"global_step_{step}", f"watch_step_{step}"):
             path = self.volume.eval(run_id, name) / "summary.json"
             if path.exists():
                 return {**json.loads(path.read_text()), "source": f"evals/{name}"}
-        skyrl = skyrl_eval_metrics(self.volume.run(run_id)).get(step)
+        if skyrl_evals is None:
+            skyrl_evals = skyrl_eval_metrics(self.volume.run(run_id))
+        skyrl = skyrl_evals.get(step)
         if skyrl:
             return {**skyrl, "source": f"SkyRL's eval (exports/dumped_evals/global_step_{step}_evals)"}
         return None
@@ -190,6 +193,7 @@ class Exporter:
 
         `pick="best"` with no held-out eval of any export raises ValueError before anything is uploaded."""
         valid = []
+        skyrl_evals = skyrl_eval_metrics(self.volume.run(run_id))
         for step, folder in self.complete_exports(run_id):
             try:
                 config = validate_adapter(folder, self.cfg)
@@ -198,7 +202,7 @@ class Exporter:
                 continue
             meta = {"run_id": run_id, "step": step, "base_model": self.cfg.model.base_model_id,
                     "trained_on": config["base_model_name_or_path"],
-                    "rank": config.get("r"), "eval": self.eval_summary(run_id, step)}
+                    "rank": config.get("r"), "eval": self.eval_summary(run_id, step, skyrl_evals)}
             valid.append((step, folder, meta))
         chosen = self.choose(run_id, valid, pick) if alias and valid else None
         results = []
