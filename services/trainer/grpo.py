@@ -468,8 +468,7 @@ class Trainer:
 
         step, changes = self.resume()
         self._record_settings(step, changes)
-        self._truncate_metrics(step)
-        self.tracker = Tracker(cfg, self.run_dir, step)
+        self.tracker = Tracker(cfg, self.run_dir, step, replay=self._truncate_metrics(step))
         self.history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
         self._start_ray()
         # The workers share this machine's cores (on a cluster each gets its own node's).
@@ -740,11 +739,13 @@ class Trainer:
             (tmp / "step.txt").write_text(f"{step}\n")
         ray.get([w.sync.remote(str(sync_dir), step) for w in self.workers])
 
-    def _truncate_metrics(self, step: int) -> None:
+    def _truncate_metrics(self, step: int) -> dict | None:
         """On resume, drops metric lines past the checkpoint so the file matches an uninterrupted run, and restores the
-        checkpoint's own line where the run was stopped between writing the checkpoint and appending that line."""
+        checkpoint's own line where the run was stopped between writing the checkpoint and appending that line;
+        returns that restored line (the trackers never got it either), else None."""
         path = self.volume.metrics(self.cfg.run_id)
         records = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
+        saved = None
         if step and not any(int(r.get("step", 0)) == step for r in records):
             saved = checkpoint_metrics(self.volume.ckpt(self.cfg.run_id, step))
             records += [saved] if saved else []
@@ -752,6 +753,7 @@ class Trainer:
         hist = self.run_dir / "evals" / "history.jsonl"
         kept = [r for r in read_jsonl(hist) if int(r.get("step", 0)) <= step]
         atomic_write_text(hist, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        return saved
 
 
 def check_reply_budget(cfg: RunConfig, processor) -> None:

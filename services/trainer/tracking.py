@@ -47,16 +47,22 @@ class RayMetrics:
 
 
 class Tracker:
-    def __init__(self, cfg: RunConfig, run_dir: Path, start_step: int):
+    """The run's trackers from `start_step` on. `replay`, the metrics line of `start_step` itself that a resume
+    restored from its checkpoint (the run was killed before it logged that line), is logged again after dropping
+    whatever the killed run may have logged for that step."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, start_step: int, replay: dict | None = None):
         self.ray = RayMetrics(cfg.run_id)
         self.tensorboard = self.wandb = None
         if "tensorboard" in cfg.trainer.logger:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
-                                             purge_step=start_step + 1 if start_step else None)
+            purge = (start_step if replay else start_step + 1) if start_step else None
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
         if "wandb" in cfg.trainer.logger:
             self.wandb = start_wandb(cfg, run_dir)
+        if replay:
+            self.log(replay, start_step)
 
     def log(self, metrics: dict, step: int) -> None:
         numbers = scalars(metrics)
