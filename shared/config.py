@@ -62,9 +62,6 @@ class EnvConfig(Section):
         "and the final policy on (greedy), for a low-noise gain with confidence intervals; null: skip")
     sft_seed_start: int = Field(1_000_000, ge=0, description="first seed of the SFT warm start's mazes")
     rl_seed_start: int = Field(2_000_000, ge=0, description="first seed of GRPO's mazes (a stream disjoint from SFT's)")
-    rl_num_mazes: int | None = Field(
-        None, ge=1, description="GRPO re-feeds its first N mazes, in order, every step it needs mazes (a fixed "
-        "handful: the check that the loop can fit what it trains on); null: fresh mazes every step")
     train_solvable_only: bool = Field(
         False, description="GRPO skips training mazes a perfect agent cannot solve in max_turns (never rewarded)")
 
@@ -87,27 +84,16 @@ class EnvConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "gigpo", "branch"] = Field(
-        "grpo", description="gigpo adds a step-level advantage over turns taken from the same state; branch "
-        "splits GRPO's advantage over the turns where a group's episodes branch (both local backend only)")
-    step_advantage_weight: float = Field(1.0, ge=0, le=100, description="gigpo: weight of the step-level advantage")
-    decision_weights: Literal["policy", "uniform"] = Field(
-        "policy", description="rollout.strategy=greedy_branch: weigh each compared reply by its probability under the "
-        "policy (the expected policy gradient over the replies) or equally (GRPO over them)")
-    decision_weight_floor: float = Field(0.1, ge=0, le=1, description="greedy_branch, policy weights: the least weight "
-                                         "a compared reply gets (keeps a push on a rare reply that wins)")
-    gamma: float = Field(0.95, gt=0, le=1, description="gigpo: discount of the return each turn is credited with")
-    branch_key: Literal["turn_state", "state"] = Field(
-        "turn_state", description="branch: key a group's values on (turn, maze position) or on the position alone "
-        "(an episode that wasted a turn stays comparable with its group)")
+    advantage_estimator: Literal["grpo", "branch"] = Field(
+        "grpo", description="grpo: each episode's reward minus its group's mean, on every turn; branch: that advantage "
+        "split over the turns where a group's episodes part (local backend only)")
     lr: float = Field(1e-6, gt=0, le=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
     eps_clip_low: float = Field(0.2, gt=0, lt=1)
     eps_clip_high: float = Field(0.2, gt=0, le=10)
     std_normalize: bool = True
-    loss_reduction: Literal["token_mean", "token_mean_signal", "sequence_mean"] = Field(
-        "token_mean", description="token_mean and sequence_mean as SkyRL's: over every sample of a mini-batch's maze "
-        "groups, zero advantage included; token_mean_signal: over the samples that carry a signal only")
+    loss_reduction: Literal["token_mean", "sequence_mean"] = Field(
+        "token_mean", description="as SkyRL's: over every sample of a mini-batch's maze groups, zero advantage included")
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0, le=100)
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
@@ -129,16 +115,6 @@ class RolloutConfig(Section):
     batched: bool = Field(True, description="generate for all live episodes of a worker at once")
     engine: Literal["transformers", "vllm"] = Field(
         "transformers", description="vllm: vLLM from .venv-vllm (make vllm-env) in a Ray actor, LoRA re-read from lora_sync/ each step")
-    strategy: Literal["sample", "greedy_branch"] = Field(
-        "sample", description="sample: n_samples_per_prompt episodes per maze at `temperature`; greedy_branch: each "
-        "maze's greedy episode, plus branches that change one of its decisions and play on greedily (see branch_*)")
-    branch_turns: int = Field(4, ge=0, description="greedy_branch: the turns per maze where the policy's best other "
-                              "action is most likely get a branch (0: none, only the step-back branches)")
-    branch_actions: int = Field(1, ge=1, le=4, description="greedy_branch: other actions tried at each of those turns")
-    branch_min_prob: float = Field(0.0, ge=0, le=1, description="greedy_branch: a turn branches only where its best "
-                                   "other action has at least this probability")
-    branch_step_back: bool = Field(True, description="greedy_branch: also undo each move that left a junction, on the "
-                                   "next turn (a step back out of a side branch)")
     vllm_kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1 << 20, description="engine=vllm: the KV cache of each "
                                      "rollout engine (vLLM's CPU engine otherwise reserves 92% of RAM)")
     vllm_max_model_len: int = Field(4096, ge=256, description="engine=vllm: context length (prompt + reply tokens)")
@@ -361,16 +337,6 @@ def parse_config(tree: dict) -> RunConfig:
     if cfg.backend == "skyrl" and algo.advantage_estimator != "grpo":
         raise ConfigError(f"config error: algorithm.advantage_estimator = {algo.advantage_estimator!r} runs on the "
                           "local backend only; SkyRL's GRPO has no turn-level advantage: use grpo with backend=skyrl")
-    if cfg.backend == "skyrl" and rollout.strategy != "sample":
-        raise ConfigError(f"config error: rollout.strategy = {rollout.strategy!r} runs on the local backend only; SkyRL "
-                          "samples n_samples_per_prompt episodes per maze: use rollout.strategy=sample with backend=skyrl")
-    if rollout.engine == "vllm" and rollout.strategy == "greedy_branch":
-        raise ConfigError("config error: rollout.strategy = 'greedy_branch' scores each turn's other replies with the "
-                          "in-process engine, which rollout.engine = 'vllm' does not offer: use rollout.engine=transformers, "
-                          "or rollout.strategy=sample algorithm.advantage_estimator=grpo with vLLM")
-    if cfg.backend == "skyrl" and algo.loss_reduction == "token_mean_signal":
-        raise ConfigError("config error: algorithm.loss_reduction = 'token_mean_signal' is the local backend's own; "
-                          "SkyRL knows token_mean and sequence_mean")
     return cfg
 
 
@@ -379,21 +345,12 @@ def check_trainable(cfg: RunConfig) -> None:
     from shared.maze.core import fewest_actions
 
     algo, rollout, env = cfg.algorithm, cfg.rollout, cfg.env
-    if rollout.strategy == "greedy_branch":
-        if rollout.branch_turns == 0 and not rollout.branch_step_back:
-            raise ConfigError("config error: rollout.strategy = 'greedy_branch' with rollout.branch_turns = 0 and "
-                              "rollout.branch_step_back = false makes no branch, so no step has a gradient; set "
-                              "rollout.branch_turns >= 1 or rollout.branch_step_back=true")
-        if algo.advantage_estimator != "grpo":
-            raise ConfigError(f"config error: algorithm.advantage_estimator = {algo.advantage_estimator!r} credits turns "
-                              "within sampled groups; rollout.strategy = 'greedy_branch' compares each changed decision "
-                              "with the anchor's at that turn: use algorithm.advantage_estimator=grpo")
-    elif rollout.n_samples_per_prompt < 2:
+    if rollout.n_samples_per_prompt < 2:
         raise ConfigError(f"config error: rollout.n_samples_per_prompt = {rollout.n_samples_per_prompt} gives each maze "
                           f"a group of one, and algorithm.advantage_estimator = {algo.advantage_estimator!r} scores an "
                           "episode against its maze's other episodes: no step would have a gradient; use "
                           "rollout.n_samples_per_prompt >= 2 (the recipe: 8)")
-    if rollout.temperature == 0 and rollout.strategy == "sample":
+    if rollout.temperature == 0:
         raise ConfigError("config error: rollout.temperature = 0 plays every sample of a maze greedily, so a group's "
                           "episodes are identical and every advantage is 0; use a temperature above 0 (the recipe: 0.7)")
     if env.reward == "task" and env.max_turns < fewest_actions(env.id):

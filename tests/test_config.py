@@ -128,7 +128,10 @@ def test_no_service_reads_an_environment_variable_outside_the_schema():
         ("run_id=../etc", ["run_id", "../etc"]),
         ("no-equals-sign", ["key.path=value"]),
         ("algorithm.mini_batch_size=3", ["algorithm.mini_batch_size", "3", "rollout.train_batch_size"]),
-        ("algorithm.advantage_estimator=ppo", ["algorithm.advantage_estimator", "'ppo'", "gigpo", "branch"]),
+        ("algorithm.advantage_estimator=ppo", ["algorithm.advantage_estimator", "'ppo'", "grpo", "branch"]),
+        # levers removed once measured (docs/experiments.md): named as unknown, not silently ignored
+        ("rollout.strategy=greedy_branch", ["rollout.strategy"]),
+        ("algorithm.advantage_estimator=gigpo", ["algorithm.advantage_estimator", "'gigpo'"]),
         ("trainer.logger=[console,neptune]", ["trainer.logger", "'neptune'", "tensorboard", "wandb"]),
     ],
 )
@@ -141,16 +144,9 @@ def test_bad_values_name_the_key(override, words):
         assert word in message
 
 
-@pytest.mark.parametrize("estimator", ["gigpo", "branch"])
-def test_turn_level_estimators_are_refused_on_the_skyrl_backend(estimator):
-    with pytest.raises(ConfigError, match=f"'{estimator}' runs on the local backend only"):
-        load_config(None, ["backend=skyrl", f"algorithm.advantage_estimator={estimator}"], environ={})
-
-
-def test_greedy_branch_needs_the_engine_that_scores_replies():
-    with pytest.raises(ConfigError, match="use rollout.engine=transformers"):
-        load_config(None, ["rollout.engine=vllm", "rollout.strategy=greedy_branch"], environ={})
-    assert load_config(None, ["rollout.engine=vllm", "rollout.strategy=sample"], environ={}).rollout.engine == "vllm"
+def test_the_branch_estimator_is_refused_on_the_skyrl_backend():
+    with pytest.raises(ConfigError, match="'branch' runs on the local backend only"):
+        load_config(None, ["backend=skyrl", "algorithm.advantage_estimator=branch"], environ={})
 
 
 def test_bad_files(tmp_path):

@@ -77,36 +77,8 @@ def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: flo
     return centred
 
 
-def step_advantages(rewards: list[float], states: list[list], gamma: float, std_normalize: bool = True,
-                    eps: float = 1e-6) -> list[list[float]]:
-    """Returns GiGPO's step-level advantages for one group: the episodes of one maze, [episode][turn].
-
-    Turn t of an episode that ends after T turns with reward r returns gamma**(T-1-t) * r. Turns taken from
-    the same anchor state (`states[e][t]`: what the agent saw, here its position in the maze) form a step
-    group; a turn's advantage is its return minus its step group's mean (/ std). A state seen once gives 0.
-    This credits the turn that decided an episode, e.g. the branch taken at a junction, rather than every turn.
-    """
-    returns = [[gamma ** (len(turns) - 1 - t) * reward for t in range(len(turns))]
-               for reward, turns in zip(rewards, states)]
-    by_state: dict = {}
-    for e, turns in enumerate(states):
-        for t, state in enumerate(turns):
-            by_state.setdefault(state, []).append((e, t))
-    out = [[0.0] * len(turns) for turns in states]
-    for members in by_state.values():
-        if len(members) < 2:
-            continue
-        values = torch.tensor([returns[e][t] for e, t in members], dtype=torch.float64)
-        centred = values - values.mean()
-        if std_normalize:
-            centred = centred / (values.std(unbiased=True) + eps)
-        for (e, t), value in zip(members, centred.tolist()):
-            out[e][t] = value
-    return out
-
-
 def branch_advantages(rewards: list[float], states: list[list], std_normalize: bool = True,
-                      eps: float = 1e-6, key: str = "turn_state") -> list[list[float]]:
+                      eps: float = 1e-6) -> list[list[float]]:
     """Returns GRPO's advantage split over the turns where one group's episodes branch, [episode][turn].
 
     The value of (turn t, state s) is the mean reward of the group's episodes that were in s before turn t;
@@ -115,23 +87,18 @@ def branch_advantages(rewards: list[float], states: list[list], std_normalize: b
     estimated from the group. An episode's advantages sum to its reward minus the group mean, GRPO's
     advantage, but only the turns after which outcomes differ get any: the shared opening of a group and
     everything past the last branch get exactly zero. Divided by the group's reward std as in GRPO.
-    `key="state"` keys the values on the state alone: an episode that wasted a turn (a wall, an unreadable reply)
-    is then still compared with its group at the junctions it reaches later, instead of being out of step.
     """
-    def node(t, state):
-        return state if key == "state" else (t, state)
-
     members: dict = {}
     for e, turns in enumerate(states):
         for t, state in enumerate(turns):
-            group = members.setdefault(node(t, state), [])
+            group = members.setdefault((t, state), [])
             if e not in group:  # an episode back at a state it visited counts once there
                 group.append(e)
     value = {n: math.fsum(rewards[e] for e in group) / len(group) for n, group in members.items()}
     scale = 1.0 / (statistics.stdev(rewards) + eps) if std_normalize and len(rewards) > 1 else 1.0
     out = []
     for e, turns in enumerate(states):
-        here = [value[node(t, state)] for t, state in enumerate(turns)]
+        here = [value[(t, state)] for t, state in enumerate(turns)]
         after = here[1:] + [rewards[e]]
         out.append([(a - h) * scale for h, a in zip(here, after)])  # equal values give exactly 0.0
     return out
@@ -157,33 +124,22 @@ def _signal(credited: list[TrainingSample], keep_all: bool = False) -> SignalGro
 def credit_turns(groups: list[MazeGroup], algo) -> tuple[list[TrainingSample], list[SignalGroup]]:
     """Returns (every turn's sample with its advantage, the samples of each group that carries signal).
 
-    A turn's advantage is its episode's GRPO advantage (reward minus the group's mean, / std), plus
-    `step_advantage_weight` x its step-level advantage under gigpo; under branch it is the episode's GRPO
-    advantage split over its turns (`branch_advantages`). Zero-advantage samples give zero policy gradient
-    (no KL term by default), so they are left out of the groups to train on; so is a group left with fewer than
-    two episodes (the engine failed the others), which has no baseline. The samples come back as copies: the
+    A turn's advantage is its episode's GRPO advantage (reward minus the group's mean, / std); under branch it is
+    that advantage split over the episode's turns (`branch_advantages`). Zero-advantage samples give zero policy
+    gradient (no KL term by default), so they are left out of the groups to train on; so is a group left with fewer
+    than two episodes (the engine failed the others), which has no baseline. The samples come back as copies: the
     rollout's own stay as played.
     """
     samples, signal = [], []
     for group in groups:
-        if group.anchored:
-            credited = decision_advantages(group, algo)
-            samples.extend(credited)
-            if (found := _signal(credited)) is not None:
-                signal.append(found)
-            continue
         states = [e.states for e in group.episodes]
         if len(group.episodes) < 2:
             per_turn = [[0.0] * len(e.samples) for e in group.episodes]
         elif algo.advantage_estimator == "branch":
-            per_turn = branch_advantages(group.rewards, states, algo.std_normalize, key=algo.branch_key)
+            per_turn = branch_advantages(group.rewards, states, algo.std_normalize)
         else:
             row = group_advantages(torch.tensor([group.rewards], dtype=torch.float32), algo.std_normalize)[0].tolist()
             per_turn = [[advantage] * len(e.samples) for advantage, e in zip(row, group.episodes)]
-        if algo.advantage_estimator == "gigpo" and len(group.episodes) > 1:
-            steps = step_advantages(group.rewards, states, algo.gamma, algo.std_normalize)
-            per_turn = [[a + algo.step_advantage_weight * b for a, b in zip(turns, extra)]
-                        for turns, extra in zip(per_turn, steps)]
         credited = [dataclasses.replace(sample, advantage=advantage)
                     for episode, advantages in zip(group.episodes, per_turn)
                     for sample, advantage in zip(episode.samples, advantages)]
@@ -205,7 +161,6 @@ def update_policy(model, optimizer, params, processor, groups: list[SignalGroup]
     trained = [s for group in groups for s in group.samples]
     check_finite("an advantage", torch.tensor([s.advantage for s in trained]), step,
                  "Check algorithm.std_normalize and the rewards (env.reward).")
-    fill_old_logprobs(model, processor, trained, temperature, algo.micro_batch_size)
     model.train()
     loss_sum = clipped = entropy_sum = grad_norm_sum = 0.0
     updates = 0
@@ -213,7 +168,7 @@ def update_policy(model, optimizer, params, processor, groups: list[SignalGroup]
         for first in range(0, len(groups), per_update):
             chosen = groups[first : first + per_update]
             mini = [s for group in chosen for s in group.samples]
-            tokens, count = loss_denominators(chosen, algo.loss_reduction)
+            tokens, count = loss_denominators(chosen)
             optimizer.zero_grad()
             for i in range(0, len(mini), algo.micro_batch_size):
                 batch = collate(processor, mini[i : i + algo.micro_batch_size])
@@ -250,11 +205,9 @@ def update_policy(model, optimizer, params, processor, groups: list[SignalGroup]
             "policy/kl": update_kl(model, processor, trained, temperature, algo.micro_batch_size)}
 
 
-def loss_denominators(groups: list[SignalGroup], reduction: str) -> tuple[int, int]:
-    """Returns (tokens, samples) a mini-batch's summed loss is divided by: SkyRL's token_mean and sequence_mean count
-    every credited sample of its groups, zero advantage included; token_mean_signal only those that carry signal."""
-    if reduction == "token_mean_signal":
-        return sum(sum(s.response_mask) for g in groups for s in g.samples), sum(len(g.samples) for g in groups)
+def loss_denominators(groups: list[SignalGroup]) -> tuple[int, int]:
+    """Returns (tokens, samples) a mini-batch's summed loss is divided by: as SkyRL's token_mean and sequence_mean,
+    every credited sample of its groups, zero advantage included."""
     return sum(g.tokens for g in groups), sum(g.count for g in groups)
 
 
@@ -274,29 +227,6 @@ def update_kl(model, processor, samples: list[TrainingSample], temperature: floa
     return total / max(count, 1)
 
 
-def branch_metrics(played: list[MazeGroup]) -> dict:
-    """Returns how a greedy_branch step's branches ended against their anchors: rescues (the anchor failed, the
-    branch solved), breaks (the other way round), and the branches played."""
-    pairs = [(group.episodes[0].solved, b.solved) for group in played if group.episodes for b in group.episodes[1:]]
-    return {"train/branches": len(pairs), "train/branch_rescues": sum(b and not a for a, b in pairs),
-            "train/branch_breaks": sum(a and not b for a, b in pairs)}
-
-
-@torch.no_grad()
-def fill_old_logprobs(model, processor, samples: list[TrainingSample], temperature: float, micro_batch_size: int) -> None:
-    """Sets old_logprobs, where a sample has none (replies the rollout did not sample), to the policy's own before
-    any update of this step: the PPO ratio then starts at exactly 1."""
-    missing = [s for s in samples if s.old_logprobs is None]
-    model.eval()
-    for i in range(0, len(missing), micro_batch_size):
-        chunk = missing[i : i + micro_batch_size]
-        batch = collate(processor, chunk)
-        logprobs, _ = token_logprobs(model, batch, temperature)
-        for row, sample in enumerate(chunk):
-            positions = [j for j, m in enumerate(sample.response_mask) if m]
-            sample.old_logprobs = logprobs[row, positions].tolist()
-
-
 def check_rollout_errors(played: list[MazeGroup], max_fraction: float, step: int) -> None:
     """Raises TrainingStopped when more than `max_fraction` of the step's episodes failed in the engine."""
     failed = [(error, group.log) for group in played for error in group.errors]
@@ -307,46 +237,6 @@ def check_rollout_errors(played: list[MazeGroup], max_fraction: float, step: int
         raise TrainingStopped(
             f"step {step}: {len(failed)} of {total} rollout episodes failed in the engine (more than "
             f"rollout.max_error_fraction = {max_fraction}), first: {error.splitlines()[0][:300]}{where}")
-
-
-def decision_advantages(group: MazeGroup, algo) -> list[TrainingSample]:
-    """Returns the samples of one greedy-anchored group (rollout.strategy=greedy_branch) with their advantages.
-
-    Each turn where the anchor branched is a comparison of its own: the anchor's reply there (its return: the
-    anchor's reward) and each branch's forced reply (its return: that branch's reward, played on greedily).
-
-    `decision_weights=policy` (the default) gives each reply the expected policy gradient over the replies compared:
-    with w_i its probability under the policy, renormalised over them, and V = sum_i w_i R_i, the advantage is
-    max(w_i, decision_weight_floor) x (R_i - V) (/ the returns' std). A rare alternative that fails then costs its
-    own probability little and leaks nothing to the other tokens (the logit update sums to zero), where equal
-    weights push a near-zero token down hard and, step after step, drain the replies' shared tokens; the floor
-    keeps a push on rare replies that win, such as a step back. `uniform` is GRPO over the replies: R_i - mean.
-    The anchor's other turns carry no comparison and are not trained."""
-    anchor, branches = group.episodes[0], group.episodes[1:]
-    by_turn: dict[int, list] = {}
-    for played in branches:
-        by_turn.setdefault(played.branch_turn, []).append(played)
-    credited = []
-    for turn, members in sorted(by_turn.items()):
-        rewards = [anchor.reward] + [m.reward for m in members]
-        replies = [anchor.samples[turn]] + [m.samples[0] for m in members]
-        scale = 1.0
-        if algo.std_normalize and len(set(rewards)) > 1:
-            scale = 1.0 / (statistics.stdev(rewards) + 1e-6)
-        if algo.decision_weights == "uniform":
-            mean = math.fsum(rewards) / len(rewards)
-            advantages = [(r - mean) * scale for r in rewards]
-        else:
-            probs = [anchor.reply_probs[turn]] + [m.reply_probs[0] for m in members]
-            if any(p is None for p in probs):  # an engine that gave no log-probabilities: weigh the replies alike
-                probs = [1.0] * len(probs)
-            total = math.fsum(probs)
-            weights = [p / total for p in probs]
-            value = math.fsum(w * r for w, r in zip(weights, rewards))
-            advantages = [max(w, algo.decision_weight_floor) * (r - value) * scale for w, r in zip(weights, rewards)]
-        credited.extend(dataclasses.replace(sample, advantage=0.0 if len(set(rewards)) == 1 else a)
-                        for sample, a in zip(replies, advantages))
-    return credited
 
 
 class TrainingStopped(RuntimeError):
@@ -385,14 +275,14 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
 def loss_row_weights(response_mask: torch.Tensor, reduction: str, total_tokens: int, total_samples: int) -> torch.Tensor:
     """Returns per-sample loss weights [B] that turn a summed loss into the configured reduction over the step.
 
-    token_mean (and token_mean_signal): every response token weighs the same (1 / the denominator's tokens);
+    token_mean: every response token weighs the same (1 / the denominator's tokens);
     sequence_mean: every sample weighs the same, its tokens averaged (1 / (its tokens x all samples)).
     """
-    if reduction in ("token_mean", "token_mean_signal"):
+    if reduction == "token_mean":
         return torch.full((response_mask.shape[0],), 1.0 / max(total_tokens, 1))
     if reduction == "sequence_mean":
         return 1.0 / (response_mask.sum(dim=1).clamp(min=1) * max(total_samples, 1))
-    raise ValueError(f"unknown loss_reduction {reduction!r}: use 'token_mean', 'token_mean_signal' or 'sequence_mean'")
+    raise ValueError(f"unknown loss_reduction {reduction!r}: use 'token_mean' or 'sequence_mean'")
 
 
 # ---- the loop ---------------------------------------------------------------------------------------
@@ -624,10 +514,8 @@ class Trainer:
                               cfg.rollout.temperature, algo.mini_batch_size or cfg.rollout.train_batch_size, step)
         train_s = time.perf_counter() - started
 
-        # What the step's episodes say of the policy: sampled episodes, or (greedy_branch) the greedy anchors alone.
-        episodes = [e for group in played for e in (group.episodes[:1] if group.anchored else group.episodes)]
+        episodes = [e for group in played for e in group.episodes]
         active = [s for group in groups for s in group.samples]
-        branching = branch_metrics(played) if cfg.rollout.strategy == "greedy_branch" else {}
         return {
             "step": step,
             "rollout/errors": sum(len(group.errors) for group in played),
@@ -639,7 +527,6 @@ class Trainer:
             "train/groups_with_signal": sum(len(set(group.rewards)) > 1 for group in played),
             "train/samples": len(samples),
             "train/active_samples": len(active),
-            **branching,
             **stats,
             "timing/rollout_s": round(rollout_s, 3),
             "timing/train_s": round(train_s, 3),

@@ -6,7 +6,6 @@ reference's weight sync through the shared volume), then plays all of its episod
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,12 +84,8 @@ class RolloutWorker:
         return self.adapter_step
 
     def rollout(self, seeds_env: list[tuple[str, int]], n_samples: int, seed: int) -> list[MazeGroup]:
-        """Plays each maze: n_samples sampled episodes, or (rollout.strategy=greedy_branch) its greedy anchor and the
-        branches that change one of its decisions; returns one group per maze, with training samples."""
-        if self.cfg.rollout.strategy == "greedy_branch":
-            groups = play_greedy_branches(self.engine, self.cfg, seeds_env)
-        else:
-            groups = play_rollouts(self.engine, self.cfg, seeds_env, n_samples, seed)
+        """Plays each maze n_samples times; returns one group per maze, with training samples."""
+        groups = play_rollouts(self.engine, self.cfg, seeds_env, n_samples, seed)
         if any(group.errors for group in groups):
             from shared.local_ray import worker_log
 
@@ -102,8 +97,8 @@ class RolloutWorker:
 
 @dataclass
 class ScoredEpisode:
-    """One played episode as the learner needs it: its reward and how it went, one training sample per turn (a
-    greedy-anchored branch: its one changed turn), and where the agent stood before each turn."""
+    """One played episode as the learner needs it: its reward and how it went, one training sample per turn, and
+    where the agent stood before each turn."""
 
     reward: float
     solved: bool
@@ -112,8 +107,6 @@ class ScoredEpisode:
     format_rate: float
     samples: list[TrainingSample]
     states: list[tuple[int, int]]  # where the agent stood before each turn (what it saw)
-    branch_turn: int | None = None  # a greedy-anchored branch: the turn it changed (its one sample); None otherwise
-    reply_probs: list[float] | None = None  # greedy_branch: the policy's probability of each sample's reply
 
 
 @dataclass
@@ -123,10 +116,9 @@ class MazeGroup:
 
     env_id: str
     seed: int
-    episodes: list[ScoredEpisode]  # greedy_branch: the greedy anchor first, then its branches
+    episodes: list[ScoredEpisode]
     errors: list[str] = field(default_factory=list)
     log: str = ""
-    anchored: bool = False
 
     @property
     def rewards(self) -> list[float]:
@@ -154,99 +146,8 @@ def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int,
     return groups
 
 
-def scored(episode, samples: list[TrainingSample], reward_mode: str, branch_turn: int | None = None,
-           reply_probs: list[float] | None = None) -> ScoredEpisode:
+def scored(episode, samples: list[TrainingSample], reward_mode: str) -> ScoredEpisode:
     """Returns what the learner needs of a played episode (shared.episodes.Episode) and its training samples."""
     return ScoredEpisode(reward=episode.reward(reward_mode), solved=episode.solved, turns=len(episode.turns),
                          parse_failures=episode.parse_failures, format_rate=episode.format_rate(), samples=samples,
-                         states=[tuple(p) for p in episode.trace[: len(episode.turns)]], branch_turn=branch_turn,
-                         reply_probs=reply_probs)
-
-
-def branch_points(scores: list[list[float]], taken: list, positions: list, maze, rollout) -> list[tuple[int, list[int]]]:
-    """Returns where a greedy anchor branches: [(turn, indices into ACTIONS to play there instead)].
-
-    The `branch_turns` turns where the policy's best other action is most likely (at least `branch_min_prob`, over
-    the five actions), each with its `branch_actions` most likely other actions; with `branch_step_back`, also the
-    turn after each move that left a junction, undoing that move (a step back out of a side branch costs the two
-    spare turns of a maze solvable in 13 of 15)."""
-    import math
-
-    from shared.branching import ACTIONS, REVERSE, is_junction
-
-    options = []
-    for turn, (row, action) in enumerate(zip(scores, taken)):
-        top = max(row)
-        probs = [math.exp(v - top) for v in row]
-        total = sum(probs)
-        others = sorted((i for i in range(len(ACTIONS)) if action is None or list(ACTIONS[i]) != list(action)),
-                        key=lambda i: -probs[i])
-        if probs[others[0]] / total >= rollout.branch_min_prob:
-            options.append((probs[others[0]] / total, turn, others[: rollout.branch_actions]))
-    chosen = {turn: alternatives for _, turn, alternatives in sorted(options, reverse=True)[: rollout.branch_turns]}
-    if rollout.branch_step_back:
-        for turn in range(len(taken) - 1):
-            action = taken[turn]
-            left = positions[turn + 1] != positions[turn]
-            if action and action[0] == "move" and left and is_junction(maze, positions[turn],
-                                                                       positions[turn - 1] if turn else None):
-                back = ACTIONS.index(("move", REVERSE[int(action[1])]))
-                chosen.setdefault(turn + 1, [])
-                if back not in chosen[turn + 1]:
-                    chosen[turn + 1] = chosen[turn + 1] + [back]
-    return sorted(chosen.items())
-
-
-def play_greedy_branches(engine, cfg, seeds_env: list[tuple[str, int]]) -> list[MazeGroup]:
-    """Plays each maze's greedy anchor, then branches that change one of its decisions and play on greedily; returns
-    one anchored group per maze. Each branch asks "does changing this one decision make greedy play succeed": the
-    learner compares the branch's outcome with the anchor's at the turn it changed (`decision_advantages`).
-    Greedy play samples nothing, so the rollouts need no seed."""
-    from shared.branching import action_replies, action_scores, branch, turn_views
-    from shared.episodes import EpisodeSettings, play_episodes, run_episodes
-    from shared.maze.core import generate
-    from shared.models.training import encode_turn, reply_sample
-
-    settings = EpisodeSettings.from_config(cfg, temperature=0.0)
-    mazes = [generate(env_id, s) for env_id, s in seeds_env]
-    anchors = run_episodes(engine, mazes, settings, keep_samples=True)
-    playable = [a for a in anchors if a.error is None]
-    views = {id(a): turn_views(a) for a in playable}
-    contexts = [messages for a in playable for messages, _ in a.samples]
-    scores = iter(action_scores(engine, contexts, [v for a in playable for v in views[id(a)]], settings))
-    plans, rows_of = {}, {}
-    for anchor in playable:
-        rows_of[id(anchor)] = rows = [next(scores) for _ in anchor.samples]
-        plans[id(anchor)] = branch_points(rows, [t["action"] for t in anchor.turns],
-                                          [tuple(p) for p in anchor.trace], anchor.maze, cfg.rollout)
-    branches = [(anchor, turn, index,
-                 branch(anchor, turn, action_replies(views[id(anchor)][turn], settings)[index], settings))
-                for anchor in playable for turn, indices in plans[id(anchor)] for index in indices]
-    play_episodes(engine, [b for *_, b in branches], settings)
-    groups = []
-    for env_seed, anchor in zip(seeds_env, anchors):
-        group = MazeGroup(*env_seed, [], anchored=True)
-        groups.append(group)
-        if anchor.error is not None:
-            group.errors.append(anchor.error)
-            continue
-        # The learner recomputes these samples' log-probabilities itself (old_logprobs=None): the forced replies
-        # were never sampled, and the anchor's were sampled greedily.
-        samples = [encode_turn(engine, messages, completion) for messages, completion in anchor.samples]
-        for sample in samples:
-            sample.old_logprobs = None
-        # The policy's probability of each reply it gave (greedy: temperature 1 log-probabilities) ...
-        probs = [math.exp(sum(completion.logprobs)) if completion.logprobs else None for _, completion in anchor.samples]
-        group.episodes.append(scored(anchor, samples, cfg.env.reward, reply_probs=probs))
-        for owner, turn, index, played in branches:
-            if owner is not anchor:
-                continue
-            if played.error is not None:
-                group.errors.append(played.error)
-                continue
-            messages, completion = played.samples[0]
-            sample = reply_sample(engine.processor, messages, completion.text, engine.max_images, engine.context_turns)
-            # ... and of each reply forced in its stead (its teacher-forced score)
-            group.episodes.append(scored(played, [sample], cfg.env.reward, branch_turn=turn,
-                                          reply_probs=[math.exp(rows_of[id(anchor)][turn][index])]))
-    return groups
+                         states=[tuple(p) for p in episode.trace[: len(episode.turns)]])

@@ -99,16 +99,14 @@ class MazeStream:
     """
 
     def __init__(self, env_id: str, excluded: set[str], start: int, max_actions: int | None = None,
-                 stop: int | None = None, repeat: int | None = None):
+                 stop: int | None = None):
         self.env_id = env_id
         self.excluded = excluded
         self.max_actions = max_actions  # skip mazes whose shortest solution takes more actions (None: keep all)
         self.start = start
         self.stop = stop  # the stream must not reach this seed (another stream's first): ValueError there
-        self.repeat = repeat  # serve the first `repeat` mazes over and over (None: fresh mazes forever)
         self.cursor = start
         self.rejected = 0
-        self.served = 0
         self.end = start  # one past the highest seed drawn
 
     @classmethod
@@ -119,8 +117,7 @@ class MazeStream:
     @classmethod
     def for_rl(cls, env, excluded: set[str]) -> MazeStream:
         """Returns GRPO's maze stream (only solvable mazes if the config says so), disjoint from SFT's."""
-        return cls(env.id, excluded, env.rl_seed_start, env.max_turns if env.train_solvable_only else None,
-                   repeat=env.rl_num_mazes)
+        return cls(env.id, excluded, env.rl_seed_start, env.max_turns if env.train_solvable_only else None)
 
     def seed_range(self) -> str:
         """Returns the seeds this stream has drawn so far, `A-B` inclusive (empty before the first)."""
@@ -133,9 +130,6 @@ class MazeStream:
         return self
 
     def __next__(self) -> Maze:
-        if self.repeat and self.served and self.served % self.repeat == 0:
-            self.cursor = self.start  # the same mazes again, in the same order
-        self.served += 1
         while True:
             if self.stop is not None and self.cursor >= self.stop:
                 raise ValueError(f"the maze stream from seed {self.start} reached seed {self.stop}, where another "
@@ -151,8 +145,8 @@ class MazeStream:
             return maze
 
     def state(self) -> dict:
-        return {"cursor": self.cursor, "rejected": self.rejected, "served": self.served, "end": self.end}
+        return {"cursor": self.cursor, "rejected": self.rejected, "end": self.end}
 
     def load_state(self, state: dict) -> None:
         self.cursor, self.rejected = int(state["cursor"]), int(state["rejected"])
-        self.served, self.end = int(state.get("served", 0)), int(state.get("end", self.cursor))
+        self.end = int(state.get("end", self.cursor))

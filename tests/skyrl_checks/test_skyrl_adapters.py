@@ -126,7 +126,7 @@ def test_the_skyrl_backend_seals_each_export_skyrl_writes(tmp_path, tiny_model_d
 
     cfg = load_config(REPO / "configs/tiny-cpu.yaml", [f"storage.shared_dir={tmp_path}", "backend=skyrl",
                       "cluster.num_workers=1", "cluster.num_engines=2", "algorithm.micro_batch_size=8",
-                      "algorithm.advantage_estimator=grpo", "rollout.strategy=sample"], environ={})
+                      "algorithm.advantage_estimator=grpo"], environ={})
     volume = SharedVolume(tmp_path)
     experiment = sealing_experiment()
     # The experiment the backend runs builds this trainer where SkyRL's BasePPOExp builds its own.

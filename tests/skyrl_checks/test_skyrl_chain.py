@@ -64,7 +64,7 @@ def test_a_skyrl_adapter_reaches_a_served_answer(warm_start, tmp_path, monkeypat
     shared, model_dir = warm_start
     cfg = load_config(REPO / "configs/tiny-cpu.yaml", [f"storage.shared_dir={shared}", "backend=skyrl", f"run_id={RUN}",
                       "cluster.num_workers=1", "cluster.num_engines=2", "algorithm.micro_batch_size=8",
-                      "algorithm.advantage_estimator=grpo", "rollout.strategy=sample"], environ={})
+                      "algorithm.advantage_estimator=grpo"], environ={})
     # 1. SkyRL's policy (PEFT on the base loaded from its folder, as on HyperPod) and SkyRL's own export writer.
     wrapper = skyrl_policy(model_dir, cfg.lora.target_modules)
     skyrl_trainer(sealing_experiment().trainer_class, cfg, wrapper, 20).save_models()

@@ -32,7 +32,7 @@ HYPERPOD = "configs/qwen3vl-8b-hyperpod.yaml"
 # SkyRL's GRPO advantage (its local `branch` advantage is ours alone).
 PROFILES = {HYPERPOD: [], "configs/tiny-cpu.yaml": [
     "backend=skyrl", "cluster.num_workers=1", "cluster.num_engines=2", "algorithm.micro_batch_size=8",
-    "algorithm.advantage_estimator=grpo", "rollout.strategy=sample"]}
+    "algorithm.advantage_estimator=grpo"]}
 
 
 def load(profile: str, shared: Path, *overrides: str):
