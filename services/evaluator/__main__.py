@@ -192,8 +192,8 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
             if base_url:
                 name = f"{cfg.model.base_model_id}:{run_id}-step{step}"
                 if name not in served:
-                    log.warning(f"step {step}: {base_url} does not serve {name} yet (the exporter publishes it: "
-                                f"python -m services.exporter --run {run_id}); left for a later pass")
+                    log.info(f"step {step}: {base_url} does not serve {name} yet (the exporter publishes it: python -m "
+                             f"services.exporter --run {run_id}); left for a later pass")
                     continue
                 summary = eval_endpoint(cfg, eval_set, endpoint_engine(cfg, base_url, name, deadline_s), base_url, out,
                                         gifs=False)
