@@ -3,8 +3,8 @@
 `action_scores` asks an engine for its teacher-forced log-probability of each of the five maze actions (four
 moves and stop, written as the task's replies) at given turns. `branch` replays an episode's first turns and
 forces a different reply at the next one; playing the branch on greedily answers "does changing this one decision
-make greedy play succeed". The evaluator's `diagnose` measures with these, and the trainer's greedy-anchored
-rollouts (`rollout.strategy=greedy_branch`) learn from them.
+make greedy play succeed". The evaluator's `diagnose` measures with these; the trainer's held-out evals take
+their junction accuracy from `solver_decisions`.
 """
 
 from __future__ import annotations

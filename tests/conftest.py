@@ -164,7 +164,7 @@ def warm_start_7x7(tmp_path_factory, worker_id) -> Path:
 @pytest.fixture(scope="session")
 def ray_head_address():
     """One Ray head on loopback for the session's trainer runs (`RAY_ADDRESS`: each joins it instead of starting a
-    Ray of its own, about 10-20 s apiece here); the learning test and the other modules start theirs, as
+    Ray of its own, about 10-20 s apiece here); the transfer test and the other modules start theirs, as
     `make train` does. Its ports are its own, so it never meets another Ray on the machine."""
     from shared.local_ray import stop_ray_started_in
 

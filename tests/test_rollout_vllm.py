@@ -66,7 +66,7 @@ def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_loc
 
 
 def test_a_grpo_run_rolls_out_through_vllm(warm_start_5x5, tmp_path):
-    # The 2-step run the trainer tests use, on the learning test's 5x5 mazes: that warm start (300 SFT mazes) answers
+    # The 2-step run the trainer tests use, on LEARN's 5x5 mazes: that warm start (300 SFT mazes) answers
     # in format, so a group's sampled episodes can earn different rewards. MINIMAL's 12-maze warm start answers none.
     from conftest import LEARN
     from test_trainer import MINIMAL
