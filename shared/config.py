@@ -476,7 +476,21 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 class CommandLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line (no usage block), exit status 2."""
+    """argparse that reports a bad argument in one line (no usage block), exit status 2, and takes --log-level (or
+    $LOG_LEVEL): parsing sets up the project's logging (shared.logs)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # SUPPRESS: a subcommand's parser (argparse builds it with this class) leaves the main parser's value be
+        self.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"],
+                          help="how much the command says (default: $LOG_LEVEL, else info)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        from shared.logs import setup_logging
+
+        setup_logging(getattr(parsed, "log_level", None))
+        return parsed, rest
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -17,6 +17,7 @@ workers), so a small process in its own session watches the driver and ends them
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -25,13 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 LOOPBACK_NODE_IP = "127.0.0.2"
 ACTIVE = "MAZE_LOOPBACK_ACTIVE"
 SHIM_SOURCE = Path(__file__).with_name("local_ray_loopback.c")
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    log.warning(message)
 
 
 def build_shim() -> Path | None:

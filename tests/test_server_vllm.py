@@ -45,9 +45,9 @@ def _start(env, overrides, log_path: Path, timeout_s=480):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        text = log_path.read_text()
-        if "serving " in text:
-            return proc, text.split(" on ")[-1].split()[0]
+        serving = [line for line in log_path.read_text().splitlines() if line.startswith("serving ")]
+        if serving:  # the URL ends the server's own line; Ray's and vLLM's lines interleave with it
+            return proc, serving[0].rsplit(" on ", 1)[1].split()[0]
         if proc.poll() is not None:
             return proc, None
         time.sleep(1)

@@ -5,6 +5,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -207,6 +208,11 @@ def test_two_step_run_writes_every_artifact(trained):
     shared, proc = trained
     run = shared / "runs" / "full"
     assert (run / "run.yaml").exists()
+    # The run's log lines, each with its time, level and module; the terminal got the same lines bare.
+    logged = (run / "train.log").read_text().splitlines()
+    assert any(re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO    services\.trainer\.grpo: eval @ step 2: ", line)
+               for line in logged), logged[-5:]
+    assert "eval @ step 2: " in proc.stdout and "INFO" not in proc.stdout
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     for key in ("reward/mean", "train/solve_rate", "train/format_rate", "train/parse_failures", "train/mean_turns",

@@ -12,10 +12,13 @@ Idempotent: a second run updates the folder, data source and dashboards in place
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
 from shared.config import command_line, config_from_args, reveal
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         from services.dashboards.monitor import start_prometheus
 
         url = start_prometheus(cfg.shared_path() / "prometheus", args.port)
-        print(f"Prometheus on {url}, scraping Ray's service-discovery file; dashboards: make dashboards PROMETHEUS_URL={url}")
+        log.info(f"Prometheus on {url}, scraping Ray's service-discovery file; dashboards: make dashboards PROMETHEUS_URL={url}")
         return
 
     from services.dashboards.provision import ProvisionError, provision, write_files
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         except OSError as exc:
             sys.exit(f"error: cannot write the dashboards to --out {args.out}: {exc.strerror}; pick a folder you can write to")
         for path in paths:
-            print(f"wrote {path}")
+            log.info(f"wrote {path}")
         return
     if not grafana_url:
         sys.exit("no Grafana URL: pass --grafana-url or set GRAFANA_URL (or use --out DIR to write JSON files)")
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {exc}")
     except Exception as exc:
         sys.exit(f"error: provisioning Grafana at {grafana_url} failed ({type(exc).__name__}: {exc})")
-    print(f"done: folder {done['folder']}, data source {done['datasource']}, {len(done) - 2} dashboards provisioned")
+    log.info(f"done: folder {done['folder']}, data source {done['datasource']}, {len(done) - 2} dashboards provisioned")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+
+logger = logging.getLogger(__name__)
 
 FOLDER_UID = "ray"
 FOLDER_TITLE = "Ray"
@@ -120,7 +123,7 @@ def datasource_body(prometheus_url: str, sigv4_region: str | None = None, sigv4_
     return body
 
 
-def provision(api, prometheus_url: str, sigv4_region: str | None = None, log=print,
+def provision(api, prometheus_url: str, sigv4_region: str | None = None, log=logger.info,
               sigv4_auth_type: str = "ec2_iam_role") -> dict:
     """Creates or updates folder, data source and the four dashboards; returns what was done per item."""
     from grafana_client.client import GrafanaClientError

@@ -13,6 +13,7 @@ Writes summary.json, episodes.jsonl, gifs/ and report.html to runs/<run>/evals/<
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -32,6 +33,8 @@ from shared.storage.ids import check_run_id
 from shared.storage.manifest import sha256_file
 from shared.storage.volume import SharedVolume
 from shared.storage.volume import complete_exports as storage_complete_exports
+
+log = logging.getLogger(__name__)
 
 
 def resolve_adapter(cfg: RunConfig, adapter: str | None) -> Path | None:
@@ -58,8 +61,8 @@ def finish(out: Path, summary: dict, gifs: bool, cell_px: int) -> None:
     if gifs:
         write_gifs(out, cell_px)
     write_report(out)
-    print(describe(summary))
-    print(f"report: {out / 'report.html'}")
+    log.info(describe(summary))
+    log.info(f"report: {out / 'report.html'}")
 
 
 def exit_on_errors(summaries: list[dict], out: Path | str) -> None:
@@ -161,7 +164,7 @@ temperature_arg = finite_number("a temperature: a finite number in 0..10, 0 for 
 
 
 def complete_exports(volume: SharedVolume, run_id: str) -> list[tuple[int, Path]]:
-    return storage_complete_exports(volume, run_id, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    return storage_complete_exports(volume, run_id, warn=log.warning)
 
 
 def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: float, base_url: str | None = None,
@@ -189,15 +192,15 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
             if base_url:
                 name = f"{cfg.model.base_model_id}:{run_id}-step{step}"
                 if name not in served:
-                    print(f"step {step}: {base_url} does not serve {name} yet (the exporter publishes it: python -m "
-                          f"services.exporter --run {run_id}); left for a later pass", file=sys.stderr)
+                    log.warning(f"step {step}: {base_url} does not serve {name} yet (the exporter publishes it: "
+                                f"python -m services.exporter --run {run_id}); left for a later pass")
                     continue
                 summary = eval_endpoint(cfg, eval_set, endpoint_engine(cfg, base_url, name, deadline_s), base_url, out,
                                         gifs=False)
             else:
                 summary = eval_local(cfg, eval_set, model_dir, policy, out, gifs=False)
             if summary["errors"]:  # not a measurement: left out of the history, tried again next pass
-                print(f"warning: step {step}: {summary['errors']} mazes could not be scored; will retry", file=sys.stderr)
+                log.warning(f"step {step}: {summary['errors']} mazes could not be scored; will retry")
                 if once:
                     exit_on_errors([summary], out)
                 continue
@@ -206,8 +209,8 @@ def watch(cfg: RunConfig, eval_set: EvalSet, run_id: str, once: bool, poll_s: fl
             if skyrl is not None:
                 row["skyrl_solve_rate"], row["skyrl_pass_at_1"] = skyrl["solve_rate"], skyrl["pass_at_1"]
                 passed = f"{skyrl['pass_at_1']:.1%}" if skyrl["pass_at_1"] is not None else "not logged"
-                print(f"step {step}: SkyRL's in-loop eval solved {skyrl['solve_rate']:.1%} (eval/all/environment/solved); "
-                      f"its pass_at_1 (reward above 0, AWS's kind of number) {passed}")
+                log.info(f"step {step}: SkyRL's in-loop eval solved {skyrl['solve_rate']:.1%} (eval/all/environment/solved); "
+                         f"its pass_at_1 (reward above 0, AWS's kind of number) {passed}")
             append_jsonl(history_path, row)
         history = sorted(read_jsonl(history_path), key=lambda r: r["step"])
         if history:
@@ -247,12 +250,12 @@ def play(argv: list[str]) -> None:
         write_gifs(out, cfg.env.cell_px)
         episode = episodes[0]
         for turn in episode.turns:
-            print(f"  {turn['text']!r:28} -> {turn['feedback']} at {tuple(turn['position'])}")
-        print(f"seed {args.seed}: {'solved' if episode.solved else 'not solved'} in {len(episode.turns)} turns; "
-              f"GIF: {out / 'gifs' / f'seed_{args.seed}.gif'}")
+            log.info(f"  {turn['text']!r:28} -> {turn['feedback']} at {tuple(turn['position'])}")
+        log.info(f"seed {args.seed}: {'solved' if episode.solved else 'not solved'} in {len(episode.turns)} turns; "
+                 f"GIF: {out / 'gifs' / f'seed_{args.seed}.gif'}")
     else:
         write_report(out)
-        print(describe(summary))
+        log.info(describe(summary))
     exit_on_errors([summary], out)
 
 
@@ -284,8 +287,8 @@ def diagnose_command(argv: list[str]) -> None:
               **diagnose(engine, eval_set, EpisodeSettings.from_config(cfg)), "machine": machine_info()}
     out = Path(args.out)
     atomic_write_json(out / "diagnosis.json", result)
-    print(describe_diagnosis(result))
-    print(f"wrote {out / 'diagnosis.json'}")
+    log.info(describe_diagnosis(result))
+    log.info(f"wrote {out / 'diagnosis.json'}")
 
 
 def eval_set_from(cfg: RunConfig, seeds_arg: str | None, max_turns: int | None) -> EvalSet:
@@ -354,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out or ".")
         try:
             path, line = write_comparison(args.compare[0], args.compare[1], out)
-            print(f"{line}\nwrote {path}")
+            log.info(f"{line}\nwrote {path}")
         except (OSError, ValueError, KeyError) as exc:
             sys.exit(f"error: cannot compare {args.compare[0]} and {args.compare[1]} into {out}: {exc}")
         return
@@ -382,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
             if not exports:
                 sys.exit(f"run {args.run} has no complete export under {volume.exports(args.run)}; train first (make train)")
             step, adapter = exports[-1]
-            print(f"evaluating {args.run} export at step {step}")
+            log.info(f"evaluating {args.run} export at step {step}")
         adapter_dir = resolve_adapter(cfg, str(adapter) if adapter else None)
         name = args.name or (f"eval_{Path(adapter_dir).parent.name if adapter_dir else model_dir.name}")
         out = Path(args.out) if args.out else volume.eval(args.run or "adhoc", name)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 from shared.branching import (
@@ -29,6 +30,8 @@ from shared.episodes import EpisodeSettings, play_episodes, run_episodes
 from shared.maze.core import first_mistake, optimal_action_count
 from shared.maze.dataset import EvalSet
 
+logger = logging.getLogger(__name__)
+
 
 def _best_other(scores: list[float], taken) -> int:
     """Returns the index in ACTIONS of the highest-scored action other than `taken` (a parsed action or None)."""
@@ -36,7 +39,7 @@ def _best_other(scores: list[float], taken) -> int:
     return next(i for i in order if taken is None or list(ACTIONS[i]) != list(taken))
 
 
-def diagnose(engine, eval_set: EvalSet, settings: EpisodeSettings, log=print) -> dict:
+def diagnose(engine, eval_set: EvalSet, settings: EpisodeSettings, log=logger.info) -> dict:
     """Returns the one-flip, step-back and junction-accuracy measurements of the engine's policy on eval_set."""
     greedy_settings = EpisodeSettings(**{**settings.__dict__, "temperature": 0.0, "max_turns": eval_set.max_turns})
     mazes = eval_set.mazes()

@@ -13,11 +13,14 @@ With neither AWS_ENDPOINT_URL nor S3_URI set, a local S3-compatible server is st
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
 from shared.config import CommandLineParser, add_config_arguments, config_from_args
 from shared.storage.ids import check_adapter_id
+
+log = logging.getLogger(__name__)
 
 COMMANDS = ("export", "list", "s3-up", "s3-down", "adopt")
 
@@ -42,12 +45,12 @@ def adopt(cfg, run_id: str, settle_s: float) -> None:
     volume = SharedVolume(cfg.shared_path())
     sealed, settling = adopt_settled_exports(volume, run_id, settle_s)
     for step in sealed:
-        print(f"sealed {volume.export(run_id, step)}")
+        log.info(f"sealed {volume.export(run_id, step)}")
     for step in settling:
-        print(f"not yet: {volume.export(run_id, step)} changed in the last {settle_s:g} s (still being written?); "
+        log.info(f"not yet: {volume.export(run_id, step)} changed in the last {settle_s:g} s (still being written?); "
               "run adopt again later")
     if not sealed and not settling:
-        print(f"nothing to adopt: every export of {run_id} with its adapter files already has a manifest")
+        log.info(f"nothing to adopt: every export of {run_id} with its adapter files already has a manifest")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,14 +89,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "s3-up":
         state = local_s3.up(cfg.shared_path())
-        print(f"local S3 endpoint up: AWS_ENDPOINT_URL={state['endpoint_url']} S3_URI={state['s3_uri']}")
+        log.info(f"local S3 endpoint up: AWS_ENDPOINT_URL={state['endpoint_url']} S3_URI={state['s3_uri']}")
         return
     if args.command == "s3-down":
         try:
             stopped = local_s3.down(cfg.shared_path())
         except RuntimeError as exc:
             sys.exit(f"error: {exc}")
-        print("local S3 endpoint stopped" if stopped else "no local S3 endpoint was running")
+        log.info("local S3 endpoint stopped" if stopped else "no local S3 endpoint was running")
         return
     try:
         cfg = local_s3.resolve_s3(cfg)

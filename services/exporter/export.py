@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import calendar
 import json
+import logging
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from shared.storage.files import DamagedFile, atomic_write_text, safetensors_hea
 from shared.storage.ids import check_adapter_id
 from shared.storage.manifest import MANIFEST, model_identity, sha256_file
 from shared.storage.volume import ADAPTER_FILES, SharedVolume, complete_exports
+
+logger = logging.getLogger(__name__)
 
 TRANSFER = TransferConfig(multipart_threshold=8 * 1024 * 1024, multipart_chunksize=8 * 1024 * 1024, max_concurrency=4)
 
@@ -109,7 +112,7 @@ def validate_adapter(folder: Path, cfg) -> dict:
 
 
 class Exporter:
-    def __init__(self, cfg, store: AdapterStore, log=print):
+    def __init__(self, cfg, store: AdapterStore, log=logger.info):
         self.cfg, self.store, self.log = cfg, store, log
         self.volume = SharedVolume(cfg.shared_path())
 

@@ -12,6 +12,7 @@ need `Authorization: Bearer`.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -20,6 +21,8 @@ from pathlib import Path
 import yaml
 
 from shared.config import command_line, config_from_args, reveal
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     api_key = reveal(cfg.server.api_key)
     host = args.host or cfg.server.host
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        print(f"warning: no SERVER_API_KEY set, so binding to 127.0.0.1 instead of {host}", file=sys.stderr)
+        log.warning(f"no SERVER_API_KEY set, so binding to 127.0.0.1 instead of {host}")
         host = "127.0.0.1"
 
     if args.gpu or args.engine == "vllm":
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     check_model(model_dir)
     url = start_cpu_server(cfg, str(model_dir), host, api_key)
-    print(f"serving {cfg.model.base_model_id} (+ adapters from {cfg.storage.s3_uri}/adapters) on {url}", flush=True)
+    log.info(f"serving {cfg.model.base_model_id} (+ adapters from {cfg.storage.s3_uri}/adapters) on {url}")
     try:
         while True:
             time.sleep(3600)
@@ -108,8 +111,8 @@ def serve_vllm(cfg, host: str, api_key: str | None, dry_run: bool) -> None:
         url = run(cfg, host, api_key)
     except EngineStartError as exc:
         sys.exit(f"error: {exc}")
-    print(f"serving {cfg.model.base_model_id} (+ adapters from {cfg.storage.s3_uri}/adapters) with vLLM "
-          f"({cfg.server.accelerator}) on {url}", flush=True)
+    log.info(f"serving {cfg.model.base_model_id} (+ adapters from {cfg.storage.s3_uri}/adapters) with vLLM "
+             f"({cfg.server.accelerator}) on {url}")
     try:
         while True:
             time.sleep(3600)

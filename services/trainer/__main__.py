@@ -12,11 +12,14 @@ The tiny model and its SFT warm-start are built first when the profile bootstrap
 from __future__ import annotations
 
 import errno
+import logging
 import shlex
 import sys
 from pathlib import Path
 
 from shared.config import DEFAULT_CONFIG, SECRET_KEYS, ConfigError, command_line, config_from_args
+
+log = logging.getLogger(__name__)
 
 
 def submit_dry_run(cfg, config_path: str, overrides: list[str], forward: tuple[str, ...]) -> None:
@@ -99,12 +102,15 @@ def main(argv: list[str] | None = None) -> None:
 
         enter_loopback()  # the in-process Ray listens on loopback only (re-runs this command once)
     from services.trainer.run_lock import RunLock, RunLocked
+    from shared.logs import log_to_file, stop_logging_to
     from shared.models.loading import ModelLoadError
     from shared.storage.files import DamagedFile
     from shared.storage.volume import SharedVolume
 
+    run_dir = SharedVolume(cfg.shared_path()).run(cfg.run_id)
     try:
-        with RunLock(SharedVolume(cfg.shared_path()).run(cfg.run_id), warn=lambda m: print(m, file=sys.stderr)):
+        with RunLock(run_dir, warn=log.warning):
+            file_log = log_to_file(run_dir / "train.log")  # every line of the run, with its time
             if args.preflight:
                 skyrl_backend.preflight(cfg)
             elif cfg.backend == "skyrl":
@@ -116,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
                     command = shlex.join(["python", "-m", "services.trainer", *masked(argv)])
                     Trainer(cfg, allow_changed_settings=args.allow_changed_settings, command=command).run()
                 except TrainingStopped as exc:
-                    sys.exit(f"error: {exc}")
+                    log.error(str(exc))  # on the terminal and in train.log
+                    sys.exit(1)
+            stop_logging_to(file_log)
     except ConfigError as exc:
         sys.exit(str(exc))  # already one line that starts "config error:"
     except (RunLocked, ModelLoadError, skyrl_backend.SkyRLRejected, DamagedFile) as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import os
 import random
@@ -59,6 +60,8 @@ from shared.models.training import TrainingSample, collate, token_logprobs
 from shared.storage.files import append_jsonl, atomic_write_text, read_jsonl, staged_dir
 from shared.storage.manifest import model_identity
 from shared.storage.volume import SharedVolume, complete_exports, latest_complete_step, step_dirs
+
+logger = logging.getLogger(__name__)
 
 # ---- the math ---------------------------------------------------------------------------------------
 
@@ -300,7 +303,7 @@ class Trainer:
     `allow_changed_settings` continues a run whose checkpoint was trained with other settings (and re-scores evals
     on disk that were played under other settings) instead of stopping."""
 
-    def __init__(self, cfg: RunConfig, log=print, allow_changed_settings: bool = False, command: str | None = None):
+    def __init__(self, cfg: RunConfig, log=logger.info, allow_changed_settings: bool = False, command: str | None = None):
         self.cfg, self.log = cfg, log
         self.command = command  # the command line that started the run, for the exports' model cards
         self.volume = SharedVolume(cfg.shared_path())

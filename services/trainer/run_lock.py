@@ -10,11 +10,14 @@ every HEARTBEAT_S) for more than STALE_AFTER_S.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = "trainer.lock"
 HEARTBEAT_S = 30.0
@@ -66,7 +69,7 @@ def _describe(holder: dict) -> str:
 class RunLock:
     """`with RunLock(run_dir, warn):` holds the run for this process; RunLocked names a live holder."""
 
-    def __init__(self, run_dir: Path, warn=print):
+    def __init__(self, run_dir: Path, warn=logger.warning):
         self.path = Path(run_dir) / LOCK_NAME
         self.warn = warn
         self.me = {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": _process_start(os.getpid()),

@@ -12,6 +12,7 @@ At the end the 64 held-out mazes are played greedily and `eval/summary.json` lan
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ from shared.models.training import TrainingSample, collate, reply_sample, token_
 from shared.storage.files import staged_dir
 from shared.storage.manifest import is_complete
 from shared.storage.volume import SharedVolume
+
+logger = logging.getLogger(__name__)
 
 
 def demo_conversation(maze: Maze, cfg: RunConfig) -> list[dict]:
@@ -67,7 +70,7 @@ def length_bucketed(samples: list, batch_size: int, rng: random.Random, window: 
     return batches
 
 
-def run_sft(cfg: RunConfig, force: bool = False, log=print) -> Path:
+def run_sft(cfg: RunConfig, force: bool = False, log=logger.info) -> Path:
     """Trains (or finds) the SFT warm-start under models/<model.path>; returns its folder."""
     volume = SharedVolume(cfg.shared_path())
     out_dir = volume.model(cfg.model.path)
@@ -152,7 +155,7 @@ def check_built_with(out_dir: Path, cfg: RunConfig) -> None:
                           f"`python -m services.trainer.sft --force`")
 
 
-def ensure_sft(cfg: RunConfig, log=print) -> Path:
+def ensure_sft(cfg: RunConfig, log=logger.info) -> Path:
     """Returns the policy's base checkpoint, building tiny model + SFT first when the profile says so."""
     out_dir = SharedVolume(cfg.shared_path()).model(cfg.model.path)
     if cfg.model.bootstrap == "none":

@@ -8,6 +8,7 @@ check it all before GPU hours. `skyrl` is imported only inside functions. See do
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shlex
@@ -22,6 +23,8 @@ from shared.maze.skyrl_env import ENV_CLASS, register_env
 from shared.storage.files import atomic_write_text
 from shared.storage.skyrl_exports import seal_export
 from shared.storage.volume import SharedVolume
+
+log = logging.getLogger(__name__)
 
 
 def _skyrl_pin() -> str:
@@ -291,7 +294,7 @@ def preflight(cfg: RunConfig) -> dict:
     # SkyRL's trainer loop is a 1-CPU task like this one: it runs where the CPUs are (the GPU workers on HyperPod).
     report = {"skyrl": SKYRL_VERSION, "ray_address": ray.get_runtime_context().gcs_address, **seen,
               "task_node_gpus": node["Resources"].get("GPU", 0), "solve_rate_metric": SKYRL_SOLVE_RATE_METRIC}
-    print(f"preflight ok: {json.dumps(report)}")
+    log.info(f"preflight ok: {json.dumps(report)}")
     return report
 
 
@@ -311,7 +314,7 @@ def sealing_experiment():
             try:
                 seal_export(policy, "by the skyrl backend, after SkyRL's save_models")
             except (OSError, ValueError) as exc:  # a long run goes on; the export waits for `exporter adopt`
-                print(f"warning: export not sealed, readers skip it until `python -m services.exporter adopt "
+                log.warning(f"export not sealed, readers skip it until `python -m services.exporter adopt "
                       f"--run {policy.parents[2].name}`: {exc}", file=sys.stderr, flush=True)
 
     class SealingPPOExp(BasePPOExp):

@@ -8,6 +8,7 @@ machine. See docs/hyperpod.md, section 4.
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from shared.config import REPO_ROOT, RunConfig
 from shared.storage.files import atomic_write_json
+
+logger = logging.getLogger(__name__)
 
 # What goes with every job from the submitting shell: where AWS is and whether the hub is off. Storage (SHARED_DIR,
 # S3_URI, AWS_ENDPOINT_URL) is the cluster's own, set on its pods; `--forward-env NAME` sends a variable on purpose.
@@ -185,7 +188,7 @@ def job_spec(cfg: RunConfig, config_path: str, overrides: list[str], preflight: 
 
 
 def submit(cfg: RunConfig, config_path: str, overrides: list[str], force: bool = False, follow: bool = True,
-           timeout_s: float | None = None, preflight: bool = False, log=print, record_dir: Path = RECORD_DIR,
+           timeout_s: float | None = None, preflight: bool = False, log=logger.info, record_dir: Path = RECORD_DIR,
            forward: tuple[str, ...] = ()) -> dict:
     """Submits `python -m services.trainer` as a Ray job; records the job id in record_dir/<run_id>.json on this
     machine; streams logs; returns the record.

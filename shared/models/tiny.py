@@ -10,6 +10,7 @@ Same seed, same weights.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from shared.config import RunConfig, command_line, config_from_args
@@ -17,6 +18,8 @@ from shared.models.chat import QWEN3VL_CHAT_TEMPLATE
 from shared.storage.files import staged_dir
 from shared.storage.manifest import is_complete
 from shared.storage.volume import SharedVolume
+
+logger = logging.getLogger(__name__)
 
 PATCH_SIZE = 16
 MERGE_SIZE = 1  # one patch per maze cell: the merged token is the patch itself
@@ -262,7 +265,7 @@ def build_tiny_model(cfg: RunConfig, out_dir: Path, seed: int | None = None) -> 
     return out_dir
 
 
-def ensure_tiny_model(cfg: RunConfig, force: bool = False, log=print) -> Path:
+def ensure_tiny_model(cfg: RunConfig, force: bool = False, log=logger.info) -> Path:
     """Returns the tiny model's folder, building it first when missing or incomplete."""
     out_dir = SharedVolume(cfg.shared_path()).model(cfg.model.tiny_name)
     if is_complete(out_dir) and not force:

@@ -9,6 +9,7 @@ tests) a config with an S3 endpoint, starting this one when nothing else is conf
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,6 +21,8 @@ import httpx
 
 from shared.net import wait_for_http
 from shared.storage.s3 import s3_client, split_s3_uri
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET = "maze-grpo"
 
@@ -135,7 +138,7 @@ def down(shared_dir: Path) -> bool:
         return False
 
 
-def resolve_s3(cfg, log=print):
+def resolve_s3(cfg, log=logger.info):
     """Returns cfg with an S3 endpoint: S3_URI as configured, or a local one on loopback (started when needed)."""
     if cfg.storage.s3_uri:
         if cfg.storage.aws_endpoint_url:
