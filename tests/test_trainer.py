@@ -18,12 +18,15 @@ import torch
 from conftest import TRANSFER
 from safetensors.torch import load_file
 
-from services.trainer.grpo import (
+from services.trainer.algorithm import (
+    ESTIMATORS,
     branch_advantages,
     credit_turns,
     group_advantages,
+    grpo_advantages,
     loss_row_weights,
     ppo_clip_loss,
+    register_estimator,
 )
 from services.trainer.rollout import MazeGroup, ScoredEpisode
 from shared.config import AlgorithmConfig
@@ -74,6 +77,20 @@ def test_branch_advantages_credit_only_the_turns_after_which_outcomes_differ():
     assert sum(normed, []) == pytest.approx([a / std for a in sum(plain, [])], rel=1e-5)
     # A shared opening and equal outcomes carry nothing.
     assert branch_advantages([0.0, 0.0], [["A", "B"], ["A", "B", "B"]]) == [[0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_the_estimator_registry_is_what_the_config_offers():
+    """Each registered estimator is a pure function [episode][turn] -> advantage; the config offers exactly them."""
+    from typing import get_args
+
+    assert set(ESTIMATORS) == set(get_args(AlgorithmConfig.model_fields["advantage_estimator"].annotation))
+    assert ESTIMATORS["grpo"] is grpo_advantages and ESTIMATORS["branch"] is branch_advantages
+    # grpo: reward minus the group mean (mean 0.25), the same on every turn of an episode, whatever its states
+    by_hand = grpo_advantages([1.0, 0.0, 0.0, 0.0], [["A", "B"], ["A"], ["A", "C", "D"], ["E"]], std_normalize=False)
+    assert [len(turns) for turns in by_hand] == [2, 1, 3, 1]
+    assert sum(by_hand, []) == pytest.approx([0.75, 0.75, -0.25, -0.25, -0.25, -0.25, -0.25])
+    with pytest.raises(ValueError, match="already registered"):
+        register_estimator("grpo")(grpo_advantages)
 
 
 def _played(turns: int, states: list, reward: float) -> ScoredEpisode:
@@ -598,7 +615,8 @@ class _FlakyEngine:
 def test_rollout_errors_are_counted_never_trained_on_and_stop_the_run(tiny_cfg, tiny):
     from PIL import Image
 
-    from services.trainer.grpo import TrainingStopped, check_rollout_errors
+    from services.trainer.algorithm import TrainingStopped
+    from services.trainer.grpo import check_rollout_errors
     from services.trainer.rollout import play_rollouts
     from shared.maze import generate, render_rgb
     from shared.models.inference import LocalEngine
@@ -619,13 +637,13 @@ def test_rollout_errors_are_counted_never_trained_on_and_stop_the_run(tiny_cfg, 
 
 
 def _group(samples):
-    from services.trainer.grpo import SignalGroup
+    from services.trainer.algorithm import SignalGroup
 
     return SignalGroup(samples, sum(sum(s.response_mask) for s in samples), len(samples))
 
 
 def test_non_finite_advantages_or_losses_stop_before_the_optimizer_step(tiny_cfg, tiny_model_dir):
-    from services.trainer.grpo import TrainingStopped, update_policy
+    from services.trainer.algorithm import TrainingStopped, update_policy
     from services.trainer.rollout import build_policy
     from shared.episodes import EpisodeSettings, solver_episode
     from shared.maze import generate
@@ -647,22 +665,24 @@ def test_non_finite_advantages_or_losses_stop_before_the_optimizer_step(tiny_cfg
 
     nan_advantage = [dataclasses.replace(turns[0], advantage=float("nan")), dataclasses.replace(turns[1], advantage=1.0)]
     with pytest.raises(TrainingStopped, match="step 7: an advantage is not finite"):
-        update_policy(model, optimizer, params, processor, [_group(nan_advantage)], algo, 1.0, 1, step=7)
+        update_policy(model, optimizer, params, processor, [_group(nan_advantage)], algo=algo, temperature=1.0,
+                      per_update=1, step=7)
     assert unchanged()
     # A sampler that gave a token probability 0 (log-prob -inf) makes the PPO ratio infinite: the loss is inf.
     impossible = dataclasses.replace(turns[0], advantage=-1.0, old_logprobs=[-math.inf] * len(turns[0].old_logprobs))
     with pytest.raises(TrainingStopped, match="step 8: the loss is not finite"):
-        update_policy(model, optimizer, params, processor, [_group([impossible])], algo, 1.0, 1, step=8)
+        update_policy(model, optimizer, params, processor, [_group([impossible])], algo=algo, temperature=1.0,
+                      per_update=1, step=8)
     assert unchanged(), "the optimizer must not step on a non-finite loss"
     stats = update_policy(model, optimizer, params, processor, [_group([dataclasses.replace(turns[0], advantage=1.0)])],
-                          algo, 1.0, 1, step=9)
+                          algo=algo, temperature=1.0, per_update=1, step=9)
     assert stats["policy/updates"] == 1 and not unchanged()
     # An update that leaves the weights non-finite (a learning rate the config would refuse) stops the run at once.
     for group in optimizer.param_groups:
         group["lr"] = float("inf")
     with pytest.raises(TrainingStopped, match="step 10: the weights are not finite after an optimizer step"):
         update_policy(model, optimizer, params, processor, [_group([dataclasses.replace(turns[1], advantage=1.0)])],
-                      algo, 1.0, 1, step=10)
+                      algo=algo, temperature=1.0, per_update=1, step=10)
 
 
 @pytest.mark.slow

@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
             elif cfg.backend == "skyrl":
                 skyrl_backend.run(cfg)
             else:
-                from services.trainer.grpo import Trainer, TrainingStopped
+                from services.trainer.algorithm import TrainingStopped
+                from services.trainer.grpo import Trainer
 
                 try:
                     command = shlex.join(["python", "-m", "services.trainer", *masked(argv)])
