@@ -50,6 +50,12 @@ class EpisodeSettings:
             reward=cfg.env.reward,
         )
 
+    @classmethod
+    def for_eval(cls, cfg, samples: int = 1) -> EpisodeSettings:
+        """Returns the settings of an evaluation playing each maze `samples` times: one greedy episode at
+        rollout.eval_temperature, or several (mean@k, pass@k) at the rollout temperature the policy trains at."""
+        return cls.from_config(cfg, temperature=cfg.rollout.temperature if samples > 1 else cfg.rollout.eval_temperature)
+
     def style(self) -> PromptStyle:
         """Returns the texts this run's conversations use."""
         return PromptStyle(self.prompt_style, self.response_format, self.action_style)

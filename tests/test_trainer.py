@@ -395,9 +395,13 @@ def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained, 
                     "--allow-changed-settings"))
     assert (run / "config_history.jsonl").read_text().splitlines() == history, "a refused start records nothing"
     # On purpose: the run goes on with the new settings, and its history says what changed when.
-    proc = train(shared, "changed", extra=["algorithm.lr=1.0", "rollout.n_samples_per_prompt=4",
+    proc = train(shared, "changed", extra=["algorithm.lr=1.0", "rollout.n_samples_per_prompt=4", "rollout.temperature=0.5",
                                             "schedule.total_steps=3", "--allow-changed-settings"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # The warm start's sampled eval played at the old rollout.temperature: scored again at the new one, with a warning.
+    assert "extended_sampled_step_0 was scored under other settings (temperature differ)" in proc.stderr, proc.stderr
+    sampled = json.loads((run / "evals" / "extended_sampled_step_0" / "summary.json").read_text())
+    assert sampled["temperature"] == 0.5 and sampled["samples_per_maze"] == 2
     starts = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
     assert len(starts) == len(history) + 1 and starts[-1]["from_step"] == 2
     assert any("algorithm.lr" in change for change in starts[-1]["changed"])

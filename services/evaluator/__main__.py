@@ -345,13 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config_from_args(args)
     eval_set = eval_set_from(cfg, args.seeds, args.max_turns)
     volume = SharedVolume(cfg.shared_path())
-    temperature = args.temperature if args.temperature is not None else (
-        cfg.rollout.temperature if args.samples > 1 else cfg.rollout.eval_temperature)
+    settings = (EpisodeSettings.for_eval(cfg, args.samples) if args.temperature is None
+                else EpisodeSettings.from_config(cfg, temperature=args.temperature))
+    temperature = settings.temperature
     if args.samples > 1 and temperature <= 0:
         sys.exit(f"error: --samples {args.samples} needs --temperature above 0 (greedy play repeats itself)")
     if temperature < 0:
         sys.exit(f"error: --temperature {temperature} is negative: use 0 (greedy) or more")
-    settings = EpisodeSettings.from_config(cfg, temperature=temperature)
 
     if args.compare:
         out = Path(args.out or ".")

@@ -117,7 +117,7 @@ class Exporter:
         self.volume = SharedVolume(cfg.shared_path())
 
     def complete_exports(self, run_id: str) -> list[tuple[int, Path]]:
-        return complete_exports(self.volume, run_id, warn=lambda m: self.log(f"warning: {m}"))
+        return complete_exports(self.volume, run_id, warn=logger.warning)
 
     def eval_summary(self, run_id: str, step: int, skyrl_evals: dict[int, dict] | None = None) -> dict | None:
         """Returns the held-out eval of a step: the local trainer's (evals/global_step_N), else the evaluator's watch

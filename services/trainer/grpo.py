@@ -87,8 +87,8 @@ class Trainer:
     `allow_changed_settings` continues a run whose checkpoint was trained with other settings (and re-scores evals
     on disk that were played under other settings) instead of stopping."""
 
-    def __init__(self, cfg: RunConfig, log=logger.info, allow_changed_settings: bool = False, command: str | None = None):
-        self.cfg, self.log = cfg, log
+    def __init__(self, cfg: RunConfig, allow_changed_settings: bool = False, command: str | None = None):
+        self.cfg, self.log = cfg, logger.info
         self.command = command  # the command line that started the run, for the exports' model cards
         self.volume = SharedVolume(cfg.shared_path())
         self.run_dir = self.volume.run(cfg.run_id)
@@ -168,7 +168,7 @@ class Trainer:
                     f"{len(trained)} steps of metrics and its checkpoints in {self.run_dir}: nothing was changed; use "
                     "a new run_id, or move that folder aside first")
             return 0, []
-        found = latest_complete_step(self.volume.ckpts(cfg.run_id), warn=lambda m: self.log(f"warning: {m}"))
+        found = latest_complete_step(self.volume.ckpts(cfg.run_id), warn=logger.warning)
         if not found:
             return 0, []
         base = checkpoint_base(found[1])
@@ -213,7 +213,10 @@ class Trainer:
         scored again under allow_changed_settings)."""
         cfg = self.cfg
         out = self.volume.eval(cfg.run_id, name)
-        identity = {"eval_settings": eval_settings(cfg), "policy": self._policy(step), "samples_per_maze": samples}
+        settings = EpisodeSettings.for_eval(cfg, samples)
+        # the temperature it played at: a sampled eval plays at rollout.temperature, which eval_settings leave out
+        identity = {"eval_settings": eval_settings(cfg), "policy": self._policy(step), "samples_per_maze": samples,
+                    "temperature": settings.temperature}
         if (out / "summary.json").exists():
             summary = json.loads((out / "summary.json").read_text())
             recorded = {key: summary.get(key) for key in identity}
@@ -225,10 +228,8 @@ class Trainer:
                                   "differ); start a new run (run_id=<new id>), delete that folder, or pass "
                                   "--allow-changed-settings to score it again")
             if differing:
-                self.log(f"warning: {out} was scored under other settings ({', '.join(differing)}): scoring it again")
+                logger.warning(f"{out} was scored under other settings ({', '.join(differing)}): scoring it again")
         what = "warm start" if step == 0 else f"step {step}"
-        temperature = cfg.rollout.temperature if samples > 1 else cfg.rollout.eval_temperature
-        settings = EpisodeSettings.from_config(cfg, temperature=temperature)
         self.eval_policy.refresh(enabled=step != 0)  # the warm start is the base model: the LoRA left out
         extra = {"step": step, **identity}
         if probe:  # teacher-forced on the solver's paths: a low-noise score of what RL transfers to held-out mazes

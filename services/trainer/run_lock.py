@@ -119,7 +119,7 @@ class RunLock:
             os.replace(aside, self.path)
             return
         aside.unlink(missing_ok=True)
-        self.warn(f"warning: taking over a stale run lock from {_describe(holder) if holder else 'an unreadable lock'} "
+        self.warn(f"taking over a stale run lock from {_describe(holder) if holder else 'an unreadable lock'} "
                   "(that trainer is gone)")
 
     def _heartbeat(self) -> None:
