@@ -95,8 +95,8 @@ def test_the_estimator_registry_is_what_the_config_offers():
 
 def _played(turns: int, states: list, reward: float) -> ScoredEpisode:
     samples = [TrainingSample(input_ids=[t], response_mask=[1], images=[]) for t in range(turns)]
-    return ScoredEpisode(reward=reward, solved=reward == 1.0, turns=turns, parse_failures=0, format_rate=1.0,
-                         samples=samples, states=states)
+    return ScoredEpisode(reward=reward, solved=reward == 1.0, num_turns=turns, parse_failures=0, format_rate=1.0,
+                         training_samples=samples, states=states)
 
 
 def test_credit_turns_grpo():
@@ -106,7 +106,7 @@ def test_credit_turns_grpo():
     grpo = AlgorithmConfig(std_normalize=False)
     samples, groups = credit_turns(groups_played, grpo)
     assert len(samples) == 8
-    assert all(s.advantage == 0.0 for g in groups_played for e in g.episodes for s in e.samples), "rollouts untouched"
+    assert all(s.advantage == 0.0 for g in groups_played for e in g.episodes for s in e.training_samples), "rollouts untouched"
     assert [[s.advantage for s in g.samples] for g in groups] == [[0.5, -0.5, -0.5]], "the all-solved group has no signal"
     assert (groups[0].tokens, groups[0].count) == (3, 3)
 
@@ -632,7 +632,7 @@ def test_rollout_errors_are_counted_never_trained_on_and_stop_the_run(tiny_cfg, 
     groups = play_rollouts(engine, cfg, [("maze_2d/easy", 2000000), ("maze_2d/easy", 2000001)], 4, seed=1)
     assert [len(g.episodes) for g in groups] == [4, 0] and [len(g.errors) for g in groups] == [0, 4]
     samples, signal = credit_turns(groups, AlgorithmConfig(std_normalize=False))
-    assert len(samples) == sum(len(e.samples) for e in groups[0].episodes), "nothing of a failed episode is trained on"
+    assert len(samples) == sum(len(e.training_samples) for e in groups[0].episodes), "nothing of a failed episode is trained on"
     groups[1].log = "/tmp/ray/session_x/logs/worker-1.err"
     with pytest.raises(TrainingStopped, match=r"step 3: 4 of 8 rollout episodes failed.*the engine failed this request"
                                               r".*worker log says more: /tmp/ray/session_x/logs/worker-1.err"):

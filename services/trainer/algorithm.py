@@ -111,12 +111,12 @@ def credit_turns(groups: list[MazeGroup], algo) -> tuple[list[TrainingSample], l
     for group in groups:
         states = [e.states for e in group.episodes]
         if len(group.episodes) < 2:
-            per_turn = [[0.0] * len(e.samples) for e in group.episodes]
+            per_turn = [[0.0] * len(e.training_samples) for e in group.episodes]
         else:
             per_turn = ESTIMATORS[algo.advantage_estimator](group.rewards, states, algo.std_normalize)
         credited = [dataclasses.replace(sample, advantage=advantage)
                     for episode, advantages in zip(group.episodes, per_turn)
-                    for sample, advantage in zip(episode.samples, advantages)]
+                    for sample, advantage in zip(episode.training_samples, advantages)]
         samples.extend(credited)
         if (found := _signal(credited, keep_all=algo.use_kl_loss)) is not None:
             signal.append(found)

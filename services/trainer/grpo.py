@@ -309,7 +309,7 @@ class Trainer:
             "train/solve_rate": float(np.mean([e.solved for e in episodes])),
             "train/format_rate": float(np.mean([e.format_rate for e in episodes])),
             "train/parse_failures": int(sum(e.parse_failures for e in episodes)),
-            "train/mean_turns": float(np.mean([e.turns for e in episodes])),
+            "train/mean_turns": float(np.mean([e.num_turns for e in episodes])),
             "train/groups_with_signal": sum(len(set(group.rewards)) > 1 for group in played),
             "train/samples": len(samples),
             "train/active_samples": len(active),

@@ -98,14 +98,15 @@ class RolloutWorker:
 @dataclass
 class ScoredEpisode:
     """One played episode as the learner needs it: its reward and how it went, one training sample per turn, and
-    where the agent stood before each turn."""
+    where the agent stood before each turn. (shared.episodes.Episode is the episode as played: its `turns` are the
+    turns themselves and its `samples` the (messages, completion) pairs these samples are encoded from.)"""
 
     reward: float
     solved: bool
-    turns: int
+    num_turns: int
     parse_failures: int
     format_rate: float
-    samples: list[TrainingSample]
+    training_samples: list[TrainingSample]
     states: list[tuple[int, int]]  # where the agent stood before each turn (what it saw)
 
 
@@ -148,6 +149,6 @@ def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int,
 
 def scored(episode, samples: list[TrainingSample], reward_mode: str) -> ScoredEpisode:
     """Returns what the learner needs of a played episode (shared.episodes.Episode) and its training samples."""
-    return ScoredEpisode(reward=episode.reward(reward_mode), solved=episode.solved, turns=len(episode.turns),
-                         parse_failures=episode.parse_failures, format_rate=episode.format_rate(), samples=samples,
+    return ScoredEpisode(reward=episode.reward(reward_mode), solved=episode.solved, num_turns=len(episode.turns),
+                         parse_failures=episode.parse_failures, format_rate=episode.format_rate(), training_samples=samples,
                          states=[tuple(p) for p in episode.trace[: len(episode.turns)]])
