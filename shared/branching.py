@@ -9,10 +9,15 @@ their junction accuracy from `solver_decisions`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shared.episodes import Episode, EpisodeSettings, start_episodes
 from shared.maze.actions import Action
 from shared.maze.core import Maze, moves_ahead
 from shared.maze.prompt import solver_reply
+
+if TYPE_CHECKING:
+    from shared.models.inference import ScoringEngine
 
 ACTIONS: list[Action] = [("move", d) for d in range(4)] + [("stop", "stop")]
 REVERSE = {0: 2, 1: 3, 2: 0, 3: 1}  # the move that undoes each move
@@ -29,8 +34,14 @@ def turn_views(episode: Episode) -> list[Maze]:
     return [Maze(maze.maze_map, tuple(p), maze.target, maze.env_id, maze.seed) for p in episode.trace[:len(episode.turns)]]
 
 
-def action_scores(engine, contexts: list[list[dict]], views: list[Maze], settings: EpisodeSettings) -> list[list[float]]:
+def action_scores(engine: ScoringEngine, contexts: list[list[dict]], views: list[Maze],
+                  settings: EpisodeSettings) -> list[list[float]]:
     """Returns, per context (the messages before a turn), the engine's log-probability of each of ACTIONS."""
+    from shared.models.inference import ScoringEngine  # torch: loaded already by any engine that can score
+
+    if not isinstance(engine, ScoringEngine):
+        raise TypeError(f"{type(engine).__name__} cannot score given replies (no score_replies): the decision probes "
+                        "need an in-process engine (shared.models.inference.LocalEngine)")
     return engine.score_replies(contexts, [action_replies(view, settings) for view in views])
 
 
@@ -51,7 +62,7 @@ def is_junction(maze: Maze, position: tuple[int, int], previous: tuple[int, int]
     return len(moves_ahead(maze, position, previous)) >= 2
 
 
-def solver_decisions(engine, mazes: list[Maze], settings: EpisodeSettings) -> list[dict]:
+def solver_decisions(engine: ScoringEngine, mazes: list[Maze], settings: EpisodeSettings) -> list[dict]:
     """Returns the policy's teacher-forced view of every decision on the solver's path of each maze, in the context
     a rollout builds: {"maze", "turn", "junction" (a real choice there), "truth" (the solver's action, an index
     into ACTIONS), "scores" (the policy's log-probability of each action)}."""

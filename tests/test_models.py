@@ -313,3 +313,21 @@ def test_nucleus_keeps_the_smallest_set_holding_top_p():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.9, 0.05, 0.03, 0.02]])
     assert torch.allclose(nucleus(probs, 0.8), torch.tensor([[0.5, 0.3, 0.0, 0.0], [0.9, 0.0, 0.0, 0.0]]))
     assert torch.equal(nucleus(probs, 1.0), probs)
+
+
+def test_only_an_engine_that_scores_replies_runs_the_decision_probes(tiny):
+    """The probes (shared.branching) read replies teacher-forced: the in-process engine is a ScoringEngine and scores
+    all five actions; an HTTP engine is not, and is refused in one line before any request."""
+    from shared.branching import ACTIONS, action_scores
+    from shared.episodes import EpisodeSettings
+    from shared.models.endpoint import OpenAIEngine
+    from shared.models.inference import ScoringEngine
+
+    model, processor = tiny
+    local, http = LocalEngine(model, processor, max_images_in_context=1), OpenAIEngine("http://127.0.0.1:9", "m")
+    assert isinstance(local, ScoringEngine) and not isinstance(http, ScoringEngine)
+    maze = generate("maze_2d/easy", 1)
+    scores = action_scores(local, [_conversation(1)], [maze], EpisodeSettings())
+    assert len(scores) == 1 and len(scores[0]) == len(ACTIONS) and all(s < 0 for s in scores[0])
+    with pytest.raises(TypeError, match="^OpenAIEngine cannot score given replies"):
+        action_scores(http, [_conversation(1)], [maze], EpisodeSettings())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -54,6 +54,15 @@ class TokenizingEngine(Engine, Protocol):
     context_turns: int | None
 
     def prompt(self, messages: list[dict]) -> tuple[str, list]: ...
+
+
+@runtime_checkable
+class ScoringEngine(TokenizingEngine, Protocol):
+    """An engine that also reads given replies teacher-forced: the log-probability of each candidate reply in each
+    conversation (the evaluator's decision probes and the trainer's junction accuracy need it; the in-process engine
+    has it, an HTTP or vLLM engine does not)."""
+
+    def score_replies(self, conversations: list[list[dict]], candidates: list[list[str]]) -> list[list[float]]: ...
 
 
 def row_seeds(seed: int | Sequence[int | None] | None, count: int) -> list[int]:
