@@ -182,6 +182,12 @@ class ClusterConfig(Section):
         None, ge=1, le=65535, description="the local Ray's Prometheus metrics port (null: Ray picks a free one)")
     head_instance_type: str = "ml.r5d.16xlarge"
     worker_instance_type: str = "ml.g7e.12xlarge"
+    worker_instance_group: str | None = Field(
+        None, description="the HyperPod instance group of the training workers: the preflight counts its nodes (null: "
+        "every node of worker_instance_type, so no other group may have that type)")
+    serve_instance_group: str | None = Field(
+        None, description="the HyperPod instance group the serving RayService's GPU workers run on: the preflight "
+        "checks it has a GPU per server.num_replicas (null: serving is not on this cluster)")
     num_workers: int = Field(3, ge=0)
     gpus_per_worker: int = Field(2, ge=0)
     num_engines: int = Field(6, ge=1)

@@ -83,10 +83,12 @@ def test_submit_a_two_step_job_to_a_local_ray_head(ray_head, tmp_path):
 HEAD, WORKER = "ml.m5.16xlarge", "ml.g5.12xlarge"  # ml.g5.12xlarge has 4 GPUs
 
 
-def _hyperpod(endpoint, name, workers, worker_type=WORKER):
+def _hyperpod(endpoint, name, workers, worker_type=WORKER, serving=1):
+    """Creates a HyperPod cluster as the runbook's table has it: a head, the training workers, and a serving group
+    of the same GPU type (left out with serving=0)."""
     client = boto3.client("sagemaker", endpoint_url=endpoint, region_name="us-west-2",
                           aws_access_key_id="local", aws_secret_access_key="local")
-    groups = [("head", HEAD, 1), ("gpu", worker_type, workers)]
+    groups = [("head", HEAD, 1), ("workers", worker_type, workers)] + [("serving", worker_type, serving)] * (serving > 0)
     client.create_cluster(ClusterName=name, InstanceGroups=[
         {"InstanceGroupName": g, "InstanceType": t, "InstanceCount": n,
          "LifeCycleConfig": {"SourceS3Uri": "s3://sagemaker-lifecycle/scripts/", "OnCreate": "on_create.sh"},
@@ -103,7 +105,15 @@ def test_hyperpod_preflight_against_the_sagemaker_api(s3_endpoint, monkeypatch):
     _hyperpod(s3_endpoint, good_name, 2)
     _hyperpod(s3_endpoint, small_name, 1)
     good = describe_hyperpod(good_name, "us-west-2", endpoint_url=s3_endpoint)
-    assert len(good["nodes"]) == 3 and check_cluster(cfg, good) == [], good
+    assert len(good["nodes"]) == 4 and check_cluster(cfg, good) == [], good
+    # The serving group has the workers' type: counted by type alone, the training workers would be 3.
+    by_type = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"worker_instance_group": None})})
+    assert any(f"3 worker nodes of type {WORKER}, config expects 2" in p for p in check_cluster(by_type, good))
+    no_serving_name = f"noserve-{uuid.uuid4().hex[:8]}"
+    _hyperpod(s3_endpoint, no_serving_name, 2, serving=0)
+    no_serving = check_cluster(cfg, describe_hyperpod(no_serving_name, "us-west-2", endpoint_url=s3_endpoint))
+    assert no_serving == ["no instance group 'serving' for serving (cluster.serve_instance_group); the cluster has "
+                          "head, workers"], no_serving
     small = check_cluster(cfg, describe_hyperpod(small_name, "us-west-2", endpoint_url=s3_endpoint))
     assert any(f"1 worker nodes of type {WORKER}, config expects 2" in p for p in small)
     assert any("4 GPUs" in p and "6 rollout engines" in p for p in small)

@@ -83,14 +83,33 @@ def check_cluster(cfg: RunConfig, description: dict) -> list[str]:
     """Returns what differs between the described cluster and the config (empty when it fits)."""
     c = cfg.cluster
     counts: dict[str, int] = {}
+    groups: dict[str, tuple[str, int]] = {}  # instance group name -> (type, nodes)
     for group in description["instance_groups"]:
-        counts[group["InstanceType"]] = counts.get(group["InstanceType"], 0) + int(group.get("CurrentCount", group.get("TargetCount", 0)))
+        nodes = int(group.get("CurrentCount", group.get("TargetCount", 0)))
+        counts[group["InstanceType"]] = counts.get(group["InstanceType"], 0) + nodes
+        groups[group.get("InstanceGroupName", "")] = (group["InstanceType"], nodes)
     problems = []
     if counts.get(c.head_instance_type, 0) < 1:
         problems.append(f"no head node of type {c.head_instance_type} (cluster has {counts or 'no instances'})")
     workers = counts.get(c.worker_instance_type, 0)
+    if c.worker_instance_group is not None:  # that group only: a serving group of the same type is not a worker
+        kind, workers = groups.get(c.worker_instance_group, (c.worker_instance_type, 0))
+        if c.worker_instance_group not in groups:
+            problems.append(f"no instance group {c.worker_instance_group!r} (cluster.worker_instance_group); the cluster "
+                            f"has {', '.join(sorted(groups)) or 'none'}")
+        elif kind != c.worker_instance_type:
+            problems.append(f"instance group {c.worker_instance_group!r} is {kind}, config expects {c.worker_instance_type}")
     if workers != c.num_workers:
         problems.append(f"{workers} worker nodes of type {c.worker_instance_type}, config expects {c.num_workers}")
+    if c.serve_instance_group is not None:
+        kind, nodes = groups.get(c.serve_instance_group, ("", 0))
+        gpus = nodes * GPUS_PER_INSTANCE.get(kind, c.gpus_per_worker)
+        if c.serve_instance_group not in groups:
+            problems.append(f"no instance group {c.serve_instance_group!r} for serving (cluster.serve_instance_group); "
+                            f"the cluster has {', '.join(sorted(groups)) or 'none'}")
+        elif gpus < cfg.server.num_replicas:
+            problems.append(f"serving group {c.serve_instance_group!r} has {gpus} GPUs ({nodes} x {kind}), "
+                            f"server.num_replicas = {cfg.server.num_replicas} needs one each")
     gpus = workers * GPUS_PER_INSTANCE.get(c.worker_instance_type, c.gpus_per_worker)
     if gpus < c.num_engines:
         problems.append(f"{gpus} GPUs on {c.worker_instance_type} workers, but {c.num_engines} rollout engines need {c.num_engines}")
