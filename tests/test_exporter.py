@@ -99,7 +99,7 @@ def test_incomplete_and_corrupt_exports(exported_run, s3_endpoint, bucket, tmp_p
     write_manifest(exports / "global_step_4" / "policy")
     proc = _run(["--run", "bad-run"], shared, s3_endpoint, bucket)
     assert proc.returncode != 0
-    assert "skipping incomplete export" in proc.stdout and "global_step_2" in proc.stdout
+    assert "warning: skipping incomplete export" in proc.stderr and "global_step_2" in proc.stderr, proc.stderr
     assert "rejected" in proc.stdout and "global_step_4" in proc.stdout and "safetensors" in proc.stdout
     assert AdapterStore(bucket, s3_endpoint).list() == []
 
