@@ -399,7 +399,8 @@ def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained, 
                                             "schedule.total_steps=3", "--allow-changed-settings"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     # The warm start's sampled eval played at the old rollout.temperature: scored again at the new one, with a warning.
-    assert "extended_sampled_step_0 was scored under other settings (temperature differ)" in proc.stderr, proc.stderr
+    assert "extended_sampled_step_0 was scored under other settings (temperature): scoring it again" in proc.stderr, \
+        proc.stderr
     sampled = json.loads((run / "evals" / "extended_sampled_step_0" / "summary.json").read_text())
     assert sampled["temperature"] == 0.5 and sampled["samples_per_maze"] == 2
     starts = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
