@@ -38,11 +38,15 @@ def _env(shared_dir, s3_endpoint):
             "SERVER_API_KEY": KEY, "RAY_USAGE_STATS_ENABLED": "0", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
 
 
+def _launch(env, overrides, log_path: Path) -> subprocess.Popen:
+    """Starts `python -m services.server --engine vllm` as users do, its output in log_path; returns at once."""
+    return subprocess.Popen([str(VLLM_PY), "-m", "services.server", "--engine", "vllm", *overrides], env=env, cwd=REPO,
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def _start(env, overrides, log_path: Path, timeout_s=480):
     """Starts the vLLM server; returns (process, url) once it says it serves, or (process, None) if it exited."""
-    log = open(log_path, "w")
-    proc = subprocess.Popen([str(VLLM_PY), "-m", "services.server", "--engine", "vllm", *overrides], env=env, cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _launch(env, overrides, log_path)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         serving = [line for line in log_path.read_text().splitlines() if line.startswith("serving ")]
@@ -69,8 +73,9 @@ def _export(env, *args):
                           cwd=REPO, check=True, capture_output=True, text=True, timeout=120)
 
 
-# The tests that start no server of their own, or one that must fail, come first: the module's vLLM server (below)
-# busy-polls a core while it is up, so it is started after them and stopped after its last test.
+# The tests that start no server come first. The server that must fail (a KV cache too small) starts beside the module's
+# vLLM server: each start is mostly one busy core (imports, Ray's and vLLM's processes spawning), so on 2 cores the two
+# take 139 s together where one after the other took about 230 s; an idle vLLM app uses a few percent of a core.
 
 
 def test_gpu_and_cpu_differ_only_in_accelerator_settings(tmp_path):
@@ -124,19 +129,31 @@ def test_the_vllm_apps_s3_settings_reach_its_workers(monkeypatch, tmp_path):
     assert "AWS_ENDPOINT_URL" not in app_args(aws)["llm_configs"][0]["runtime_env"]["env_vars"]
 
 
-@needs_vllm
-def test_an_engine_that_cannot_start_says_why_in_one_line(tiny_model_dir, s3_endpoint, shared_dir, tmp_path):
-    """A KV cache the model's context does not fit in: only vLLM's engine finds out, after its start-up. (A damaged
-    model is refused before any engine starts: test_hostile_input.py.)"""
+@pytest.fixture(scope="module")
+def failing_server(tiny_model_dir, s3_endpoint, shared_dir, tmp_path_factory):
+    """A server whose KV cache the model's context does not fit in, started (not awaited) before the module's server."""
     from shared.storage.s3 import s3_client
 
     if BUCKET not in {b["Name"] for b in s3_client(s3_endpoint).list_buckets()["Buckets"]}:
         s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
-    overrides = _overrides(tiny_model_dir, _port(), "server.kv_cache_bytes=1048576")
-    proc, url = _start(_env(shared_dir, s3_endpoint), overrides, tmp_path / "server.log")
+    log = tmp_path_factory.mktemp("failing") / "server.log"
+    proc = _launch(_env(shared_dir, s3_endpoint), _overrides(tiny_model_dir, _port(), "server.kv_cache_bytes=1048576"), log)
+    yield proc, log
     _stop(proc)
-    assert url is None and proc.returncode != 0
-    last = (tmp_path / "server.log").read_text().strip().splitlines()[-1]
+
+
+@needs_vllm
+def test_an_engine_that_cannot_start_says_why_in_one_line(failing_server, vllm_server):
+    """A KV cache the model's context does not fit in: only vLLM's engine finds out, after its start-up. (A damaged
+    model is refused before any engine starts: test_hostile_input.py.)"""
+    proc, log = failing_server
+    try:
+        proc.wait(timeout=480)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server with a KV cache too small neither served nor exited in 480 s: {log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert proc.returncode != 0 and not [line for line in text.splitlines() if line.startswith("serving ")], text[-3000:]
+    last = text.strip().splitlines()[-1]
     assert last.startswith("error: the vLLM engine did not start: ") and "kv cache" in last.lower(), last
 
 
@@ -152,7 +169,7 @@ def wide_adapter(tiny_cfg, tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vllm_server(exported_run, tiny_model_dir, s3_endpoint, wide_adapter, tmp_path_factory):
+def vllm_server(failing_server, exported_run, tiny_model_dir, s3_endpoint, wide_adapter, tmp_path_factory):
     from services.exporter.export import Exporter
     from shared.config import load_config
     from shared.storage.adapters import AdapterStore
