@@ -15,7 +15,6 @@ import logging
 import os
 import random
 import time
-from pathlib import Path
 
 import numpy as np
 import ray
@@ -33,21 +32,18 @@ from services.trainer.checkpoints import (
 )
 from services.trainer.report import export_card, landed, run_summary, warm_start_kind, write_run_report
 from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy
+from services.trainer.run_evals import PolicyIdentity, RunEvals
 from services.trainer.sft import ensure_sft
 from services.trainer.tracking import Tracker
-from shared.branching import junction_accuracy, solver_decisions
 from shared.config import (
     ConfigError,
     RunConfig,
     changed_settings,
     check_trainable,
     dump_config,
-    eval_settings,
     settings_hash,
     training_settings,
 )
-from shared.episodes import EpisodeSettings
-from shared.evaluation import describe, evaluate
 from shared.evaluation.model_card import CARD
 from shared.evaluation.statistics import compare_evals, compare_sampled
 from shared.machine import machine_info
@@ -94,20 +90,20 @@ class Trainer:
         self.run_dir = self.volume.run(cfg.run_id)
         self.allow_changed = allow_changed_settings
         self.settings = training_settings(cfg)
-        self.history: dict[int, dict] = {}  # step -> the 64-maze eval's summary
 
     def run(self) -> dict:
         started = time.perf_counter()
         step = self.set_up()
         try:
             if self.cfg.schedule.eval_before_train and step == 0:
-                self.tracker.log(eval_metrics(self.held_out_eval(0)), 0)
+                self.tracker.log(eval_metrics(self.evals.held_out(0)), 0)
             bar = tqdm(total=self.cfg.schedule.total_steps, initial=step, desc=f"grpo {self.cfg.run_id}", unit="step")
             while step < self.cfg.schedule.total_steps:
                 step += 1
                 metrics = self.train_step(step)
                 self.end_step(step, metrics)
-                last_eval = self.history[max(self.history)]["solve_rate"] if self.history else float("nan")
+                history = self.evals.history
+                last_eval = history[max(history)]["solve_rate"] if history else float("nan")
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", solve=f"{metrics['train/solve_rate']:.2f}",
                                 eval=f"{last_eval:.2f}", errors=metrics["rollout/errors"])
                 bar.update(1)
@@ -133,9 +129,8 @@ class Trainer:
         self.base_identity = model_identity(base_dir)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=cfg.algorithm.weight_decay)
-        self.eval_set = EvalSet.held_out(cfg.env)
-        self.extended = EvalSet.extended(cfg.env)
-        for eval_set in (self.eval_set, self.extended):
+        eval_sets = EvalSet.held_out(cfg.env), EvalSet.extended(cfg.env)
+        for eval_set in eval_sets:
             if eval_set:
                 eval_set.save(self.volume.dataset(cfg.env.eval_env))
         self.stream = MazeStream.for_rl(cfg.env, excluded_from_training(cfg.env))
@@ -143,7 +138,6 @@ class Trainer:
         step, changes = self.resume()
         self._record_settings(step, changes)
         self.tracker = Tracker(cfg, self.run_dir, step, replay=self._truncate_metrics(step))
-        self.history = {int(r["step"]): r for r in read_jsonl(self.run_dir / "evals" / "history.jsonl")}
         self._start_ray()
         # The workers share this machine's cores (on a cluster each gets its own node's).
         threads = max(1, (os.cpu_count() or 1) // cfg.rollout.num_workers)
@@ -151,8 +145,11 @@ class Trainer:
                         for _ in range(cfg.rollout.num_workers)]
         # Evaluations play a merged copy of the policy (its LoRA folded into the weights): PEFT's speed is not needed.
         self.eval_policy = MergedCopy(self.model)
-        self.engine = LocalEngine.for_model(cfg, self.eval_policy.model, self.processor, name=cfg.model.base_model_id,
-                                            adapter=cfg.run_id)
+        engine = LocalEngine.for_model(cfg, self.eval_policy.model, self.processor, name=cfg.model.base_model_id,
+                                       adapter=cfg.run_id)
+        self.evals = RunEvals(cfg, self.volume, engine, self.eval_policy, *eval_sets,
+                              policy=PolicyIdentity(self.base_identity, settings_hash(self.settings)),
+                              allow_changed=self.allow_changed)
         self._sync(step)
         return step
 
@@ -197,81 +194,6 @@ class Trainer:
             "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "from_step": step, "settings_hash": settings_hash(self.settings), "changed": changes,
             "settings": self.settings, "machine": machine_info()})
-
-    # ---- evaluations --------------------------------------------------------------------------------
-
-    def _policy(self, step: int) -> dict:
-        """Returns what identifies the policy at `step`: the warm start's files, plus (after step 0) this run's
-        training settings and the step."""
-        if step == 0:
-            return {"base_model": self.base_identity}
-        return {"base_model": self.base_identity, "run_settings": settings_hash(self.settings), "step": step}
-
-    def _evaluation(self, name: str, eval_set: EvalSet, step: int, samples: int = 1, probe: bool = False) -> dict:
-        """Returns the summary of eval `name` (the policy at `step` on `eval_set`), scored now unless a folder from
-        the same policy under the same eval settings is on disk; one from other settings stops the run (or is
-        scored again under allow_changed_settings)."""
-        cfg = self.cfg
-        out = self.volume.eval(cfg.run_id, name)
-        settings = EpisodeSettings.for_eval(cfg, samples)
-        # the temperature it played at: a sampled eval plays at rollout.temperature, which eval_settings leave out
-        identity = {"eval_settings": eval_settings(cfg), "policy": self._policy(step), "samples_per_maze": samples,
-                    "temperature": settings.temperature}
-        if (out / "summary.json").exists():
-            summary = json.loads((out / "summary.json").read_text())
-            recorded = {key: summary.get(key) for key in identity}
-            if recorded == identity and (not probe or "junctions" in summary):
-                return summary  # played before a restart (a replayed step reproduces that policy)
-            differing = [key for key in identity if recorded[key] != identity[key]]
-            if differing and not self.allow_changed:
-                raise ConfigError(f"config error: {out} was scored under other settings ({', '.join(differing)} "
-                                  "differ); start a new run (run_id=<new id>), delete that folder, or pass "
-                                  "--allow-changed-settings to score it again")
-            if differing:
-                logger.warning(f"{out} was scored under other settings ({', '.join(differing)}): scoring it again")
-        what = "warm start" if step == 0 else f"step {step}"
-        self.eval_policy.refresh(enabled=step != 0)  # the warm start is the base model: the LoRA left out
-        extra = {"step": step, **identity}
-        if probe:  # teacher-forced on the solver's paths: a low-noise score of what RL transfers to held-out mazes
-            decisions = solver_decisions(self.engine, eval_set.mazes(), settings)
-            extra.update(junctions=junction_accuracy(decisions),
-                         junction_choices=[max(range(len(r["scores"])), key=r["scores"].__getitem__)
-                                           for r in decisions if r["junction"]])
-        summary, _ = evaluate(self.engine, eval_set, settings, out, model=cfg.model.base_model_id,
-                              adapter=None if step == 0 else f"{cfg.run_id}@global_step_{step}",
-                              extra=extra, samples=samples, seed=cfg.seed,
-                              progress=f"{name} ({what})" if len(eval_set.seeds) * samples > 64 else None)
-        return summary
-
-    def held_out_eval(self, step: int) -> dict:
-        """Scores the policy at `step` on the 64 held-out mazes (greedy), with its teacher-forced junction accuracy
-        on their solver paths and the share of those decisions it makes otherwise than the warm start; keeps it in
-        evals/history.jsonl."""
-        summary = self._evaluation(f"global_step_{step}", self.eval_set, step, probe=True)
-        start = self.history.get(0) or (summary if step == 0 else None)
-        if start and start.get("junction_choices") and summary.get("junction_choices"):
-            changed = sum(a != b for a, b in zip(start["junction_choices"], summary["junction_choices"]))
-            summary["junctions"]["changed_since_warm_start"] = changed / max(len(summary["junction_choices"]), 1)
-        if step not in self.history:
-            junctions = summary.get("junctions") or {}
-            self.log(f"eval @ step {step}: " + describe(summary)
-                     + (f"; junction accuracy {100 * junctions['accuracy']:.1f}%" if "accuracy" in junctions else ""))
-            append_jsonl(self.run_dir / "evals" / "history.jsonl", {"step": step, **summary})
-            self.history[step] = summary
-        return summary
-
-    def extended_evals(self, step: int) -> dict[str, Path]:
-        """Scores the policy at `step` (0: the warm start) on the extended set: greedy, and k samples per maze at
-        the rollout temperature (mean@k, pass@k); returns {kind: folder}."""
-        folders = {}
-        kinds = [("greedy", f"extended_step_{step}", 1)]
-        if self.cfg.rollout.eval_samples > 1:
-            kinds.append(("sampled", f"extended_sampled_step_{step}", self.cfg.rollout.eval_samples))
-        for kind, name, samples in kinds:
-            summary = self._evaluation(name, self.extended, step, samples)
-            self.log(f"extended eval ({kind}), {'warm start' if step == 0 else f'step {step}'}: " + describe(summary))
-            folders[kind] = self.volume.eval(self.cfg.run_id, name)
-        return folders
 
     # ---- one step -----------------------------------------------------------------------------------
 
@@ -331,11 +253,11 @@ class Trainer:
         metrics["timing/sync_s"] = round(time.perf_counter() - started, 3)
         final = step == sched.total_steps
         if (sched.eval_interval and step % sched.eval_interval == 0) or final:
-            metrics.update(eval_metrics(self.held_out_eval(step)))
+            metrics.update(eval_metrics(self.evals.held_out(step)))
         if step % sched.hf_save_interval == 0 or final:
             with staged_dir(self.volume.export(cfg.run_id, step)) as tmp:
                 save_adapter(self.model, tmp)
-                atomic_write_text(tmp / CARD, export_card(cfg, step, self.history.get(step), self.base_identity,
+                atomic_write_text(tmp / CARD, export_card(cfg, step, self.evals.history.get(step), self.base_identity,
                                                           self._sft_summary(), self.stream.seed_range(), self.command))
         if step % sched.ckpt_interval == 0 or final:
             save_checkpoint(self.volume, cfg.run_id, step, self.model, self.optimizer, self.stream, self.settings,
@@ -354,8 +276,9 @@ class Trainer:
         """Scores warm start and final policy on the extended set, then writes summary.json, the curve (PNG), the
         run's report.html and run.yaml's data ranges, and prints the summary a user reads at a glance."""
         cfg, run_id = self.cfg, self.cfg.run_id
-        extended = {0: self.extended_evals(0), step: self.extended_evals(step)} if self.extended and step else {}
-        steps = sorted(self.history)
+        extended = {0: self.evals.extended(0), step: self.evals.extended(step)} if self.evals.extended_set and step else {}
+        history = self.evals.history
+        steps = sorted(history)
         sft_summary = self._sft_summary()
         data = {"sft_seeds": sft_summary.get("sft_seeds"), "rl_seeds": self.stream.seed_range()}
         atomic_write_text(self.run_dir / "run.yaml", dump_config(cfg) + "".join(
@@ -372,16 +295,16 @@ class Trainer:
             if "sampled" in extended[0]:
                 comparisons.update(compare_sampled(extended[0]["sampled"], extended[step]["sampled"]))
         result = {"run_id": run_id, "steps": steps[-1] if steps else 0, "wall_s": round(wall_s, 1), **data,
-                  "first_eval": self.history[steps[0]]["solve_rate"] if steps else None,
-                  "final_eval": self.history[steps[-1]]["solve_rate"] if steps else None,
-                  "curve": {str(s): self.history[s]["solve_rate"] for s in steps}, "comparisons": comparisons,
+                  "first_eval": history[steps[0]]["solve_rate"] if steps else None,
+                  "final_eval": history[steps[-1]]["solve_rate"] if steps else None,
+                  "curve": {str(s): history[s]["solve_rate"] for s in steps}, "comparisons": comparisons,
                   "settings_hash": settings_hash(self.settings), "reward": cfg.env.reward, "machine": machine_info(),
                   "warm_start": warm_start_kind(cfg.model.path, sft_summary)}
         if steps:
-            write_run_report(self.run_dir, result, read_jsonl(self.volume.metrics(run_id)), self.history)
+            write_run_report(self.run_dir, result, read_jsonl(self.volume.metrics(run_id)), history)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(result, indent=2) + "\n")
         self.log(run_summary(result))
-        self.log("\n".join(landed(self.run_dir, run_id, self.history, complete_exports(self.volume, run_id))))
+        self.log("\n".join(landed(self.run_dir, run_id, history, complete_exports(self.volume, run_id))))
         return result
 
     # ---- plumbing -----------------------------------------------------------------------------------
