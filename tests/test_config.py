@@ -183,3 +183,13 @@ def test_every_service_has_help(service):
         text = re.sub(r"^ ([A-Z_]+|\{[^}]*\})( [A-Z_]+)*", "", rest).strip()
         after = proc.stdout.split(option + rest, 1)[1].splitlines()[1:2]
         assert text or (after and after[0].startswith(" " * 10)), f"{option} has no help text"
+
+
+def test_every_service_names_its_command_as_the_first_word_only():
+    from shared.config import subcommand
+
+    commands = ("list", "s3-up")
+    assert subcommand(["list", "--run", "x"], commands, "export") == ("list", ["--run", "x"])
+    assert subcommand(["--run", "x", "list"], commands, "export") == ("export", ["--run", "x", "list"])
+    assert subcommand(["rollout.temperature=1"], commands, "export") == ("export", ["rollout.temperature=1"])
+    assert subcommand([], commands, "export") == ("export", [])

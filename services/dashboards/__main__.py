@@ -16,14 +16,15 @@ import logging
 import sys
 import time
 
-from shared.config import command_line, config_from_args, reveal
+from shared.config import command_line, config_from_args, reveal, subcommand
 
 log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = command_line("python -m services.dashboards", __doc__, config=False)
-    parser.add_argument("command", nargs="?", default="provision", choices=["provision", "monitor"])
+    command, argv = subcommand(argv, ("provision", "monitor"), "provision")
+    parser = command_line("python -m services.dashboards" + ("" if command == "provision" else f" {command}"), __doc__,
+                          config=False)
     parser.add_argument("--config", default=None, help="run profile (default: configs/tiny-cpu.yaml): its dashboards section")
     parser.add_argument("--grafana-url", default=None, help="Grafana base URL (default: dashboards.grafana_url, GRAFANA_URL)")
     parser.add_argument("--token", default=None, help="service-account token (default: dashboards.grafana_token, GRAFANA_TOKEN)")
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wait", type=float, default=0, help="seconds to wait for Grafana to come up")
     parser.add_argument("--port", type=int, default=9090, help="monitor: Prometheus port on 127.0.0.1")
     args = parser.parse_args(argv)
+    args.command = command
     cfg = config_from_args(args)
     grafana_url = args.grafana_url or cfg.dashboards.grafana_url
     token = args.token or reveal(cfg.dashboards.grafana_token)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from services.evaluator.report import write_comparison, write_gifs, write_report
-from shared.config import CommandLineParser, RunConfig, add_config_arguments, config_from_args, reveal
+from shared.config import CommandLineParser, RunConfig, add_config_arguments, config_from_args, reveal, subcommand
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
 from shared.evaluation.plots import plot_solve_rate
@@ -307,11 +307,11 @@ def eval_set_from(cfg: RunConfig, seeds_arg: str | None, max_turns: int | None) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["play"]:
-        return play(argv[1:])
-    if argv[:1] == ["diagnose"]:
-        return diagnose_command(argv[1:])
+    command, argv = subcommand(argv, ("play", "diagnose"), "evaluate")
+    if command == "play":
+        return play(argv)
+    if command == "diagnose":
+        return diagnose_command(argv)
     parser = CommandLineParser(prog="python -m services.evaluator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser)

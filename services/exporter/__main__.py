@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 
-from shared.config import CommandLineParser, add_config_arguments, config_from_args
+from shared.config import CommandLineParser, add_config_arguments, config_from_args, subcommand
 from shared.storage.ids import check_adapter_id
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,9 @@ def adopt(cfg, run_id: str, settle_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = CommandLineParser(prog="python -m services.exporter", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="export", help="export (default), list, s3-up, s3-down or adopt")
+    command, argv = subcommand(argv, COMMANDS, "export")
+    parser = CommandLineParser(prog="python -m services.exporter" + ("" if command == "export" else f" {command}"),
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser)
     parser.add_argument("--run", default=None, help="run id whose exports to stage (default: the profile's run_id)")
     parser.add_argument("--alias", default=None, help="also publish the chosen step under this adapter id")
@@ -65,11 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--poll", type=float, default=30.0, help="seconds between --watch passes")
     parser.add_argument("--settle", type=float, default=60.0, help="adopt: seconds an export's files must be unchanged")
     args = parser.parse_args(argv)
-    if "=" in args.command:  # no command given: the first positional is a config override
-        args.overrides.insert(0, args.command)
-        args.command = "export"
-    if args.command not in COMMANDS:
-        parser.error(f"unknown command {args.command!r}: use one of {', '.join(COMMANDS)}")
+    args.command = command
+    if stray := next((word for word in args.overrides if "=" not in word), None):
+        parser.error(f"unknown command {stray!r}: a command comes first, one of {', '.join(COMMANDS)}")
     for flag, value in (("--run", args.run), ("--alias", args.alias)):
         try:
             value is None or check_adapter_id(value, f"{flag} value")

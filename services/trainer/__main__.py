@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from shared.config import DEFAULT_CONFIG, SECRET_KEYS, ConfigError, command_line, config_from_args
+from shared.config import DEFAULT_CONFIG, SECRET_KEYS, ConfigError, command_line, config_from_args, subcommand
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ def submit_dry_run(cfg, config_path: str, overrides: list[str], forward: tuple[s
 def main(argv: list[str] | None = None) -> None:
     argv_given = argv
     argv = sys.argv[1:] if argv is None else argv
-    submitting = argv[:1] == ["submit"]
+    which, arguments = subcommand(argv, ("submit",), "train")
+    submitting = which == "submit"
     parser = command_line("python -m services.trainer" + (" submit" if submitting else ""), __doc__)
     parser.add_argument("--backend", choices=["local", "skyrl"], default=None, help="override the profile's backend")
     parser.add_argument("--dry-run", action="store_true",
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--forward-env", action="append", default=[], metavar="NAME",
                             help="also send this shell's NAME to the job (e.g. SHARED_DIR; by default the job uses the "
                                  "cluster's own storage); repeatable")
-    args = parser.parse_intermixed_args(argv[1:] if submitting else argv)
+    args = parser.parse_intermixed_args(arguments)
     backend = [f"backend={args.backend}"] if args.backend else []
     cfg = config_from_args(args, backend)
     overrides = list(args.overrides) + backend

@@ -8,7 +8,14 @@ not go together, or cannot train), `identity` (which settings decide a training 
 `cli` (the command line every service shares). Everything is importable from `shared.config`.
 """
 
-from shared.config.cli import CommandLineParser, add_config_arguments, command_line, config_from_args, reveal
+from shared.config.cli import (
+    CommandLineParser,
+    add_config_arguments,
+    command_line,
+    config_from_args,
+    reveal,
+    subcommand,
+)
 from shared.config.identity import (
     EVAL_KEYS,
     SFT_KEYS,
@@ -51,7 +58,7 @@ from shared.config.schema import (
 )
 
 __all__ = [
-    "CommandLineParser", "add_config_arguments", "command_line", "config_from_args", "reveal",
+    "CommandLineParser", "add_config_arguments", "command_line", "config_from_args", "reveal", "subcommand",
     "EVAL_KEYS", "SFT_KEYS", "UNTRAINED_KEYS", "changed_settings", "eval_settings", "flat_settings", "settings_hash",
     "sft_settings", "training_settings",
     "ENV_FALLBACKS", "ENV_OVERRIDES", "SECRET_KEYS", "dump_config", "from_environment", "load_config", "parse_config",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Iterable
 
 from pydantic import SecretStr
 
@@ -29,6 +31,15 @@ class CommandLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def subcommand(argv: list[str] | None, commands: Iterable[str], default: str) -> tuple[str, list[str]]:
+    """Returns (the command, the arguments after it) for `python -m services.<name> [COMMAND] [ARGS...]`: a command
+    is only ever the first word; without one the command is `default` and every argument is its own."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in commands:
+        return argv[0], argv[1:]
+    return default, argv
 
 
 def command_line(prog: str, description: str | None = None, config: bool = True) -> CommandLineParser:
