@@ -227,7 +227,7 @@ def test_two_step_run_writes_every_artifact(trained):
     assert (run / "run.yaml").exists()
     # The run's log lines, each with its time, level and module; the terminal got the same lines bare.
     logged = (run / "train.log").read_text().splitlines()
-    assert any(re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO    services\.trainer\.grpo: eval @ step 2: ", line)
+    assert any(re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO    services\.trainer\.run_evals: eval @ step 2: ", line)
                for line in logged), logged[-5:]
     assert "eval @ step 2: " in proc.stdout and "INFO" not in proc.stdout
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
