@@ -44,7 +44,8 @@ def _answer(exc: RequestError) -> JSONResponse:
 
 
 def _authorized(method):
-    """Wraps an ingress route so it first checks the bearer token (FastAPI still sees the route's signature)."""
+    """Wraps an ingress route so it first checks the bearer token (FastAPI still sees the route's signature): every
+    route of the app, ours and Ray's, goes through it."""
 
     @functools.wraps(method)
     async def route(self, *args, **kwargs):
@@ -118,7 +119,6 @@ class MazeIngress(OpenAiIngress):
         OpenAI-shaped JSON."""
         asked = "?"
         try:
-            check_bearer(request.headers.get("authorization"), self.api_key)
             max_bytes = self.limits.get("max_request_bytes", 16 << 20)
             payload = parse_json_body(await read_body(request, max_bytes), max_bytes)
             if body_type is ChatCompletionRequest:
@@ -141,18 +141,20 @@ class MazeIngress(OpenAiIngress):
 
     # ---- routes (the names Ray's route table expects; each reads its own body) ----------------------
 
+    @_authorized
     async def chat(self, request: Request):
         return await self._serve(request, ChatCompletionRequest, super().chat)
 
+    @_authorized
     async def completions(self, request: Request):
         return await self._serve(request, CompletionRequest, super().completions)
 
+    @_authorized
     async def models(self, request: Request) -> ModelList:
         """Lists the base model and every complete adapter (one with a manifest) in S3."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            check_bearer(request.headers.get("authorization"), self.api_key)
             adapters = []
             if self.store is not None:
                 try:
@@ -167,9 +169,9 @@ class MazeIngress(OpenAiIngress):
                                     permission=list(base.permission), metadata=dict(base.metadata)) for a in adapters]
         return ModelList(data=cards)
 
+    @_authorized
     async def model_data(self, model: str, request: Request) -> ModelCard:
         try:
-            check_bearer(request.headers.get("authorization"), self.api_key)
             resolved = await self.resolve_model(model)
         except RequestError as exc:
             return _answer(exc)
