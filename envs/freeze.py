@@ -35,8 +35,9 @@ def main(argv: list[str]) -> None:
               "# unconstrained install of pyproject.toml; the Makefile installs exactly these (pip --no-deps -r). Edit pyproject.toml,\n"
               "# then run `make lock`, never this file.\n")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    lock.write_text(header + "".join(line + "\n" for line in frozen(venv)))
-    print(f"wrote {lock}: {len(frozen(venv))} distributions")
+    lines = frozen(venv)
+    lock.write_text(header + "".join(line + "\n" for line in lines))
+    print(f"wrote {lock}: {len(lines)} distributions")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 LEVELS = ("debug", "info", "warning", "error")
 ENV_VAR = "LOG_LEVEL"
 # The project's loggers, configured here; nothing else is touched. A command run as `python -m services.<name>` logs
@@ -34,8 +36,6 @@ class _TerminalHandler(logging.Handler):
             if warning:
                 message = f"{record.levelname.lower()}: {message}"
             stream = sys.stderr if warning else sys.stdout
-            from tqdm import tqdm
-
             tqdm.write(message, file=stream)
             stream.flush()
         except Exception:  # a closed stream at exit: logging's own policy is to report and go on
@@ -52,12 +52,13 @@ def level_from(value: str | None) -> int:
 
 def setup_logging(level: str | None = None) -> None:
     """Sends the project's loggers to the terminal at `level` (see `level_from`); calling it again resets them."""
+    resolved = level_from(level)
     for package in PACKAGES:
         logger = logging.getLogger(package)
         for handler in [h for h in logger.handlers if isinstance(h, _TerminalHandler)]:
             logger.removeHandler(handler)
         logger.addHandler(_TerminalHandler())
-        logger.setLevel(level_from(level))
+        logger.setLevel(resolved)
         logger.propagate = False
 
 

@@ -40,14 +40,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wait", type=float, default=0, help="seconds to wait for Grafana to come up")
     parser.add_argument("--port", type=int, default=9090, help="monitor: Prometheus port on 127.0.0.1")
     args = parser.parse_args(argv)
-    args.command = command
     cfg = config_from_args(args)
     grafana_url = args.grafana_url or cfg.dashboards.grafana_url
     token = args.token or reveal(cfg.dashboards.grafana_token)
     prometheus_url = args.prometheus_url or cfg.dashboards.prometheus_url
     region = args.region or cfg.cluster.region
 
-    if args.command == "monitor":
+    if command == "monitor":
         from services.dashboards.monitor import start_prometheus
 
         url = start_prometheus(cfg.shared_path() / "prometheus", args.port)

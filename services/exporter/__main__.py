@@ -65,7 +65,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--poll", type=float, default=30.0, help="seconds between --watch passes")
     parser.add_argument("--settle", type=float, default=60.0, help="adopt: seconds an export's files must be unchanged")
     args = parser.parse_args(argv)
-    args.command = command
     if stray := next((word for word in args.overrides if "=" not in word), None):
         parser.error(f"unknown command {stray!r}: a command comes first, one of {', '.join(COMMANDS)}")
     for flag, value in (("--run", args.run), ("--alias", args.alias)):
@@ -82,14 +81,14 @@ def main(argv: list[str] | None = None) -> None:
     from shared.storage import local_s3
     from shared.storage.adapters import AdapterStore
 
-    if args.command == "adopt":
+    if command == "adopt":
         adopt(cfg, args.run or cfg.run_id, args.settle)
         return
-    if args.command == "s3-up":
+    if command == "s3-up":
         state = local_s3.up(cfg.shared_path())
         log.info(f"local S3 endpoint up: AWS_ENDPOINT_URL={state['endpoint_url']} S3_URI={state['s3_uri']}")
         return
-    if args.command == "s3-down":
+    if command == "s3-down":
         try:
             stopped = local_s3.down(cfg.shared_path())
         except RuntimeError as exc:
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = local_s3.resolve_s3(cfg)
         store = AdapterStore.from_config(cfg)
-        if args.command == "list":
+        if command == "list":
             print_table(adapter_table(store))
             return
         run_id = args.run or cfg.run_id

@@ -102,9 +102,9 @@ def _signal(credited: list[TrainingSample], keep_all: bool = False) -> SignalGro
 def credit_turns(groups: list[MazeGroup], algo) -> tuple[list[TrainingSample], list[SignalGroup]]:
     """Returns (every turn's sample with its advantage, the samples of each group that carries signal).
 
-    A turn's advantage comes from the configured estimator (ESTIMATORS: `grpo_advantages`, `branch_advantages`). Zero-advantage samples give zero policy
-    gradient (no KL term by default), so they are left out of the groups to train on; so is a group left with fewer
-    than two episodes (the engine failed the others), which has no baseline. The samples come back as copies: the
+    A turn's advantage comes from the configured estimator (ESTIMATORS: `grpo_advantages`, `branch_advantages`).
+    Zero-advantage samples give zero policy gradient (no KL term by default), so they are left out of the groups to
+    train on; so is a group left with fewer than two episodes (the engine failed the others), which has no baseline. The samples come back as copies: the
     rollout's own stay as played.
     """
     samples, signal = [], []

@@ -84,7 +84,7 @@ class Trainer:
     on disk that were played under other settings) instead of stopping."""
 
     def __init__(self, cfg: RunConfig, allow_changed_settings: bool = False, command: str | None = None):
-        self.cfg, self.log = cfg, logger.info
+        self.cfg = cfg
         self.command = command  # the command line that started the run, for the exports' model cards
         self.volume = SharedVolume(cfg.shared_path())
         self.run_dir = self.volume.run(cfg.run_id)
@@ -119,7 +119,7 @@ class Trainer:
         cfg = self.cfg
         check_trainable(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        base_dir = ensure_sft(cfg, log=self.log)
+        base_dir = ensure_sft(cfg, log=logger.info)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -183,7 +183,7 @@ class Trainer:
                 f"{', '.join(changes)}; start a new run (run_id=<new id>), or continue this one with the new settings "
                 "on purpose with --allow-changed-settings")
         step = load_checkpoint(found[1], self.model, self.optimizer, self.stream)
-        self.log(f"resuming {cfg.run_id} from {found[1]} (step {step})"
+        logger.info(f"resuming {cfg.run_id} from {found[1]} (step {step})"
                  + (f" with changed settings: {', '.join(changes)}" if changes else ""))
         return step, changes
 
@@ -303,8 +303,8 @@ class Trainer:
         if steps:
             write_run_report(self.run_dir, result, read_jsonl(self.volume.metrics(run_id)), history)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(result, indent=2) + "\n")
-        self.log(run_summary(result))
-        self.log("\n".join(landed(self.run_dir, run_id, history, complete_exports(self.volume, run_id))))
+        logger.info(run_summary(result))
+        logger.info("\n".join(landed(self.run_dir, run_id, history, complete_exports(self.volume, run_id))))
         return result
 
     # ---- plumbing -----------------------------------------------------------------------------------
