@@ -24,6 +24,10 @@ FLASH_ATTN_PIN := flash-attn==2.8.3
 SKYRL_STAMP := $(SKYRL_VENV)/.installed-$(shell cat pyproject.toml $(SKYRL_LOCK) | sha256sum | cut -c1-12)
 
 export PYTHONUNBUFFERED := 1
+# Python caches each module's bytecode (__pycache__) the first time it is imported. Some machines set
+# PYTHONDONTWRITEBYTECODE, and the venvs install with --no-compile: then every process (each test's trainer, Ray
+# worker, vLLM engine) compiles torch, transformers, Ray and vLLM from source again, about half of each import.
+unexport PYTHONDONTWRITEBYTECODE
 # No bytecode at install time: Python compiles the modules a run imports, not the thousands it never does.
 PIP_FLAGS := -q --no-compile --disable-pip-version-check
 

@@ -201,6 +201,9 @@ def main() -> int:
     LOGS.mkdir(exist_ok=True)
     require_all = os.geteuid() == 0 and subprocess.run(["sh", "-c", "command -v apt-get"], capture_output=True).returncode == 0
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Bytecode is cached on first import (the Makefile says why): without it every test's processes compile torch,
+    # transformers, Ray and vLLM from source again.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if require_all:
         # Where make test can install every dependency itself, a skipped test is a missing install step.
         env["MAZE_GRPO_REQUIRE_ALL_TESTS"] = "1"
