@@ -53,7 +53,7 @@ def run():
         started = time.perf_counter()
         episodes = run_episodes(engines[decoder], held_out, settings)
         eval_rates[decoder] = len(episodes) / (time.perf_counter() - started)
-        plays[decoder] = [[turn["text"] for turn in e.turns] for e in episodes]
+        plays[decoder] = [[turn.text for turn in e.turns] for e in episodes]
     identical = sum(a == b for a, b in zip(plays["transformers"], plays["shared"]))
     old, new = (statistics.median(rates[d]) for d in DECODERS)
     note = (f"{cfg.rollout.train_batch_size} mazes x {n} samples, T={cfg.rollout.temperature}, {name}, "

@@ -46,7 +46,7 @@ def run():
             started = time.perf_counter()
             episodes = run_episodes(engine, mazes, settings)
             rates[name] = len(mazes) / (time.perf_counter() - started)
-            texts[name] = [[t["text"] for t in e.turns] for e in episodes]
+            texts[name] = [[t.text for t in e.turns] for e in episodes]
             rows.append({"benchmark": "rollout engine", "metric": f"{name} episodes/s", "value": rates[name],
                          "unit": "episodes/s", "note": f"{len(mazes)} held-out mazes x {settings.max_turns} turns, greedy, "
                                                        "base + LoRA, one batch"})

@@ -52,7 +52,7 @@ def branch(episode: Episode, turn: int, reply: str, settings: EpisodeSettings) -
 
     fresh = start_episodes([episode.maze], settings)[0]
     for played in episode.turns[:turn]:
-        fresh.take(Completion(played["text"], []))
+        fresh.take(Completion(played.text, []))
     fresh.take(Completion(reply, []), keep_samples=True)
     return fresh
 
@@ -75,7 +75,7 @@ def solver_decisions(engine: ScoringEngine, mazes: list[Maze], settings: Episode
         for turn, (messages, _) in enumerate(solver.samples):
             contexts.append(messages)
             views.append(turn_views(solver)[turn])
-            rows.append({"maze": index, "turn": turn, "truth": ACTIONS.index(tuple(solver.turns[turn]["action"])),
+            rows.append({"maze": index, "turn": turn, "truth": ACTIONS.index(solver.turns[turn].action),
                          "junction": is_junction(maze, tuple(trace[turn]), tuple(trace[turn - 1]) if turn else None)})
     for row, scores in zip(rows, action_scores(engine, contexts, views, settings)):
         row["scores"] = scores

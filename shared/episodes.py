@@ -65,13 +65,29 @@ class EpisodeSettings:
         return MazeSession(maze, self.max_turns, self.cell_px, self.style())
 
 
+@dataclass(frozen=True)
+class Turn:
+    """One played turn: the model's text, the action read from it (None: unreadable or refused), the feedback it got
+    and where the agent stood after it."""
+
+    text: str
+    action: tuple | None
+    feedback: str
+    position: tuple[int, int]
+
+    def record(self) -> dict:
+        """Returns the turn as `episodes.jsonl` holds it (one of an episode's `steps`)."""
+        return {"text": self.text, "action": list(self.action) if self.action else None, "feedback": self.feedback,
+                "position": list(self.position)}
+
+
 @dataclass
 class Episode:
     """One played maze: the turns as the model saw and wrote them, and how it ended."""
 
     session: MazeSession
     messages: list[dict]
-    turns: list[dict] = field(default_factory=list)  # model text, parsed action, feedback, position
+    turns: list[Turn] = field(default_factory=list)
     samples: list = field(default_factory=list)  # (context messages, Completion) per turn, for training
     error: str | None = None  # set when the engine failed for this maze (scored as failed)
 
@@ -95,7 +111,7 @@ class Episode:
 
     @property
     def parse_failures(self) -> int:
-        return sum(turn["action"] is None for turn in self.turns)
+        return sum(turn.action is None for turn in self.turns)
 
     def reward(self, mode: str) -> float:
         return self.session.reward(mode)
@@ -108,8 +124,8 @@ class Episode:
         if keep_samples:
             self.samples.append((list(self.messages), completion))
         result = self.session.step(completion.text)
-        self.turns.append({"text": result.text, "action": list(result.action) if result.action else None,
-                           "feedback": result.feedback, "position": list(result.position)})
+        self.turns.append(Turn(result.text, tuple(result.action) if result.action else None, result.feedback,
+                               tuple(result.position)))
         self.messages.append(assistant_turn(completion.text))
         if not result.done:
             self.messages.append(user_turn(result.feedback, Image.fromarray(result.picture)))
@@ -124,9 +140,9 @@ class Episode:
             "optimal_actions": optimal_action_count(self.maze),
             "parse_failures": self.parse_failures,
             "error": self.error,
-            "first_mistake": first_mistake(self.maze, [turn["action"] for turn in self.turns]),
+            "first_mistake": first_mistake(self.maze, [turn.action for turn in self.turns]),
             "trace": [list(p) for p in self.trace],
-            "steps": self.turns,
+            "steps": [turn.record() for turn in self.turns],
         }
 
 
@@ -168,8 +184,8 @@ def demonstration(maze: Maze, settings: EpisodeSettings, moves: list[int], plann
         reply = solver_reply(episode.session.state.view(), action, settings.response_format, settings.action_style,
                              planner)
         episode.take(Completion(reply, []), keep_samples=True)
-        if episode.turns[-1]["action"] != list(action):
-            raise RuntimeError(f"the {planner}'s reply {reply!r} reads as {episode.turns[-1]['action']}, not {action}")
+        if episode.turns[-1].action != tuple(action):
+            raise RuntimeError(f"the {planner}'s reply {reply!r} reads as {episode.turns[-1].action}, not {action}")
     return episode
 
 

@@ -182,7 +182,7 @@ def test_parity_of_two_independent_in_process_engines(exported_run, tiny_cfg, ti
     mazes = [generate("maze_2d/easy", s) for s in range(6)]
     settings = EpisodeSettings(max_turns=3, cell_px=16, max_new_tokens=6)
     ea, eb = run_episodes(a, mazes, settings), run_episodes(b, mazes, settings, batched=False)
-    assert [[t["text"] for t in e.turns] for e in ea] == [[t["text"] for t in e.turns] for e in eb]
+    assert [[t.text for t in e.turns] for e in ea] == [[t.text for t in e.turns] for e in eb]
 
 
 class _ScriptedPlayer:

@@ -192,7 +192,7 @@ def test_shared_decoder_gives_transformers_generate_replies(tiny):
 
     settings = EpisodeSettings(max_turns=4, cell_px=CELL_PX, max_new_tokens=8)
     mazes = [generate("maze_2d/easy", seed) for seed in range(4)]
-    plays = [[[t["text"] for t in e.turns] for e in run_episodes(engine, mazes, settings)] for engine in (fast, reference)]
+    plays = [[[t.text for t in e.turns] for e in run_episodes(engine, mazes, settings)] for engine in (fast, reference)]
     assert plays[0] == plays[1]
 
 

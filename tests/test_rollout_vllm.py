@@ -47,7 +47,7 @@ def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_loc
         remote = run_episodes(engine, mazes, settings)
         local = run_episodes(LocalEngine.from_config(tiny_cfg, tiny_model_dir, exports[step]), mazes, settings)
         assert not [e.error for e in remote if e.error], [e.error for e in remote][:1]
-        assert [[t["text"] for t in e.turns] for e in remote] == [[t["text"] for t in e.turns] for e in local]
+        assert [[t.text for t in e.turns] for e in remote] == [[t.text for t in e.turns] for e in local]
         assert [e.solved for e in remote] == [e.solved for e in local]
         completion = engine.generate([[{"role": "user", "content": [{"type": "text", "text": "9x9 maze"}]}]], 0.0, 4)[0]
         assert completion.token_ids and len(completion.logprobs) == len(completion.token_ids)

@@ -96,4 +96,4 @@ def test_greedy_parity_with_the_in_process_engine(server):
                                  max_turns_in_context=cfg.model.max_turns_in_context)
     remote = run_episodes(remote_engine, mazes, settings)
     assert all(e.error is None for e in remote), [e.error for e in remote]
-    assert [[t["text"] for t in e.turns] for e in local] == [[t["text"] for t in e.turns] for e in remote]
+    assert [[t.text for t in e.turns] for e in local] == [[t.text for t in e.turns] for e in remote]

@@ -81,9 +81,9 @@ def test_episode_runner_prompts_and_answers_as_upstream(env_id, seed):
     first = episode.messages[0]
     assert [part["type"] for part in first["content"]] == ["text", "image"]  # our engines' form of image_url
     assert first["content"][0]["text"] == expected["prompt"]
-    feedback = [turn["feedback"] for turn in episode.turns]
+    feedback = [turn.feedback for turn in episode.turns]
     assert feedback[:-1] == [step["env_feedback"] for step in expected["steps"]] + [REFERENCE["envs"][env_id]["parse_error"]]
-    assert [turn["position"] for turn in episode.turns[: len(expected["steps"])]] == [s["agent"] for s in expected["steps"]]
+    assert [list(turn.position) for turn in episode.turns[: len(expected["steps"])]] == [s["agent"] for s in expected["steps"]]
     user_texts = [m["content"][0]["text"] for m in episode.messages[1:] if m["role"] == "user"]
     assert user_texts == feedback[:-1]  # what the model reads back is that feedback, picture after text
     assert episode.session.done and not episode.solved
@@ -99,9 +99,9 @@ def test_replies_are_read_as_skyrl_reads_them(case):
     if not case["terminated"]:
         assert _feedback_text(output) == case["feedback"]
     episode = _run("maze_2d/easy", 0, [case["text"], "('stop', 'stop')"])
-    assert episode.turns[0]["position"] == case["agent"]
+    assert list(episode.turns[0].position) == case["agent"]
     if not case["terminated"]:
-        assert episode.turns[0]["feedback"] == case["feedback"]
+        assert episode.turns[0].feedback == case["feedback"]
 
 
 def test_profiles_pick_their_prompt_style():

@@ -250,7 +250,7 @@ def play(argv: list[str]) -> None:
         write_gifs(out, cfg.env.cell_px)
         episode = episodes[0]
         for turn in episode.turns:
-            log.info(f"  {turn['text']!r:28} -> {turn['feedback']} at {tuple(turn['position'])}")
+            log.info(f"  {turn.text!r:28} -> {turn.feedback} at {turn.position}")
         log.info(f"seed {args.seed}: {'solved' if episode.solved else 'not solved'} in {len(episode.turns)} turns; "
                  f"GIF: {out / 'gifs' / f'seed_{args.seed}.gif'}")
     else:
@@ -312,6 +312,76 @@ def main(argv: list[str] | None = None) -> None:
         return play(argv)
     if command == "diagnose":
         return diagnose_command(argv)
+    args = evaluate_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    eval_set = eval_set_from(cfg, args.seeds, args.max_turns)
+    settings = settings_from(cfg, args.samples, args.temperature)
+    if args.compare:
+        out = Path(args.out or ".")
+        try:
+            path, line = write_comparison(args.compare[0], args.compare[1], out)
+            log.info(f"{line}\nwrote {path}")
+        except (OSError, ValueError, KeyError) as exc:
+            sys.exit(f"error: cannot compare {args.compare[0]} and {args.compare[1]} into {out}: {exc}")
+        return
+    if args.watch:
+        try:
+            watch(cfg, eval_set, args.watch, args.once, args.poll, args.base_url, args.request_deadline)
+        except ConnectionError as exc:
+            sys.exit(f"error: {exc}")
+        return
+    try:
+        summary, out = (evaluate_endpoint(cfg, args, eval_set, settings) if args.base_url
+                        else evaluate_model(cfg, args, eval_set, settings))
+        exit_on_errors([summary], out)
+    except (ModelLoadError, ConnectionError, ValueError) as exc:
+        sys.exit(f"error: {exc}")
+    except OSError as exc:  # the volume: read-only, full, or not ours to write
+        sys.exit(f"error: cannot write {exc.filename or 'SHARED_DIR'} ({exc.strerror or exc}): SHARED_DIR "
+                 f"({cfg.shared_path()}) must be a folder this user can write, with free space")
+
+
+def settings_from(cfg: RunConfig, samples: int, temperature: float | None) -> EpisodeSettings:
+    """Returns how episodes are played (--samples, --temperature over the profile's eval rule); exits on a bad pair."""
+    settings = (EpisodeSettings.for_eval(cfg, samples) if temperature is None
+                else EpisodeSettings.from_config(cfg, temperature=temperature))
+    if samples > 1 and settings.temperature <= 0:
+        sys.exit(f"error: --samples {samples} needs --temperature above 0 (greedy play repeats itself)")
+    if settings.temperature < 0:
+        sys.exit(f"error: --temperature {settings.temperature} is negative: use 0 (greedy) or more")
+    return settings
+
+
+def evaluate_endpoint(cfg: RunConfig, args, eval_set: EvalSet, settings: EpisodeSettings) -> tuple[dict, Path]:
+    """Plays the eval set against an OpenAI-compatible endpoint (--base-url); returns (summary, output folder)."""
+    engine = endpoint_engine(cfg, args.base_url, args.model_name, args.request_deadline)
+    engine.check()
+    name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
+    out = Path(args.out) if args.out else SharedVolume(cfg.shared_path()).eval(args.run or "endpoint", name)
+    return eval_endpoint(cfg, eval_set, engine, args.base_url, out, gifs=not args.no_gifs, settings=settings,
+                         samples=args.samples), out
+
+
+def evaluate_model(cfg: RunConfig, args, eval_set: EvalSet, settings: EpisodeSettings) -> tuple[dict, Path]:
+    """Plays the eval set in this process: --model (or the profile's), with --adapter or the run's latest export."""
+    volume = SharedVolume(cfg.shared_path())
+    model_dir = Path(args.model) if args.model else volume.model(cfg.model.path)
+    adapter = args.adapter
+    if args.run and not adapter and not args.model:
+        exports = complete_exports(volume, args.run)
+        if not exports:
+            sys.exit(f"run {args.run} has no complete export under {volume.exports(args.run)}; train first (make train)")
+        step, adapter = exports[-1]
+        log.info(f"evaluating {args.run} export at step {step}")
+    adapter_dir = resolve_adapter(cfg, str(adapter) if adapter else None)
+    name = args.name or (f"eval_{Path(adapter_dir).parent.name if adapter_dir else model_dir.name}")
+    out = Path(args.out) if args.out else volume.eval(args.run or "adhoc", name)
+    return eval_local(cfg, eval_set, model_dir, adapter_dir, out, gifs=not args.no_gifs, settings=settings,
+                      samples=args.samples), out
+
+
+def evaluate_parser() -> argparse.ArgumentParser:
+    """Returns the parser of the default command (evaluate, compare or watch)."""
     parser = CommandLineParser(prog="python -m services.evaluator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser)
@@ -341,63 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--watch", metavar="RUN_ID", type=run_id_arg, help="evaluate every new complete export of a run")
     parser.add_argument("--once", action="store_true", help="with --watch: one pass, then exit")
     parser.add_argument("--poll", type=float, default=30.0, help="with --watch: seconds between passes")
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-    eval_set = eval_set_from(cfg, args.seeds, args.max_turns)
-    volume = SharedVolume(cfg.shared_path())
-    settings = (EpisodeSettings.for_eval(cfg, args.samples) if args.temperature is None
-                else EpisodeSettings.from_config(cfg, temperature=args.temperature))
-    temperature = settings.temperature
-    if args.samples > 1 and temperature <= 0:
-        sys.exit(f"error: --samples {args.samples} needs --temperature above 0 (greedy play repeats itself)")
-    if temperature < 0:
-        sys.exit(f"error: --temperature {temperature} is negative: use 0 (greedy) or more")
-
-    if args.compare:
-        out = Path(args.out or ".")
-        try:
-            path, line = write_comparison(args.compare[0], args.compare[1], out)
-            log.info(f"{line}\nwrote {path}")
-        except (OSError, ValueError, KeyError) as exc:
-            sys.exit(f"error: cannot compare {args.compare[0]} and {args.compare[1]} into {out}: {exc}")
-        return
-    if args.watch:
-        try:
-            watch(cfg, eval_set, args.watch, args.once, args.poll, args.base_url, args.request_deadline)
-        except ConnectionError as exc:
-            sys.exit(f"error: {exc}")
-        return
-
-    try:
-        if args.base_url:
-            engine = endpoint_engine(cfg, args.base_url, args.model_name, args.request_deadline)
-            engine.check()
-            name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
-            out = Path(args.out) if args.out else volume.eval(args.run or "endpoint", name)
-            summary = eval_endpoint(cfg, eval_set, engine, args.base_url, out, gifs=not args.no_gifs,
-                                    settings=settings, samples=args.samples)
-            exit_on_errors([summary], out)
-            return
-        model_dir = Path(args.model) if args.model else volume.model(cfg.model.path)
-        adapter = args.adapter
-        if args.run and not adapter and not args.model:
-            exports = complete_exports(volume, args.run)
-            if not exports:
-                sys.exit(f"run {args.run} has no complete export under {volume.exports(args.run)}; train first (make train)")
-            step, adapter = exports[-1]
-            log.info(f"evaluating {args.run} export at step {step}")
-        adapter_dir = resolve_adapter(cfg, str(adapter) if adapter else None)
-        name = args.name or (f"eval_{Path(adapter_dir).parent.name if adapter_dir else model_dir.name}")
-        out = Path(args.out) if args.out else volume.eval(args.run or "adhoc", name)
-        summary = eval_local(cfg, eval_set, model_dir, adapter_dir, out, gifs=not args.no_gifs, settings=settings,
-                             samples=args.samples)
-        exit_on_errors([summary], out)
-    except (ModelLoadError, ConnectionError, ValueError) as exc:
-        sys.exit(f"error: {exc}")
-    except OSError as exc:  # the volume: read-only, full, or not ours to write
-        sys.exit(f"error: cannot write {exc.filename or 'SHARED_DIR'} ({exc.strerror or exc}): SHARED_DIR "
-                 f"({cfg.shared_path()}) must be a folder this user can write, with free space")
-
+    return parser
 
 if __name__ == "__main__":
     main()

@@ -49,7 +49,7 @@ def diagnose(engine, eval_set: EvalSet, settings: EpisodeSettings, log=logger.in
     log(f"greedy: {sum(e.solved for e in greedy)}/{len(mazes)} solved, {len(failures)} failures on solvable mazes")
 
     # one flip: every turn up to the first mistake of every failure, to the policy's best other action
-    mistakes = [first_mistake(e.maze, [t["action"] for t in e.turns]) for e in failures]
+    mistakes = [first_mistake(e.maze, [t.action for t in e.turns]) for e in failures]
     turns = [[(index, turn) for turn in range((m["turn"] if m else len(e.turns) - 1) + 1)]
              for index, (e, m) in enumerate(zip(failures, mistakes))]
     turns = [pair for pairs in turns for pair in pairs]
@@ -58,7 +58,7 @@ def diagnose(engine, eval_set: EvalSet, settings: EpisodeSettings, log=logger.in
     flips, owners = [], []
     for (index, turn), view, score in zip(turns, views, scores):
         e, mistake = failures[index], mistakes[index]
-        other = _best_other(score, e.turns[turn]["action"])
+        other = _best_other(score, e.turns[turn].action)
         flips.append(branch(e, turn, action_replies(view, greedy_settings)[other], greedy_settings))
         owners.append((index, turn - (mistake["turn"] if mistake else turn)))
     play_episodes(engine, flips, greedy_settings)
@@ -72,9 +72,9 @@ def diagnose(engine, eval_set: EvalSet, settings: EpisodeSettings, log=logger.in
     # step back: undo a first step into a side branch
     backs, back_cells = [], []
     for e in failures:
-        mistake = first_mistake(e.maze, [t["action"] for t in e.turns])
+        mistake = first_mistake(e.maze, [t.action for t in e.turns])
         if mistake and mistake["kind"] == "wrong_branch" and mistake["turn"] + 1 < len(e.turns):
-            into = int(e.turns[mistake["turn"]]["action"][1])
+            into = int(e.turns[mistake["turn"]].action[1])
             view = turn_views(e)[mistake["turn"] + 1]
             reply = action_replies(view, greedy_settings)[ACTIONS.index(("move", REVERSE[into]))]
             backs.append(branch(e, mistake["turn"] + 1, reply, greedy_settings))

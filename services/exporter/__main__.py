@@ -55,15 +55,7 @@ def adopt(cfg, run_id: str, settle_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     command, argv = subcommand(argv, COMMANDS, "export")
-    parser = CommandLineParser(prog="python -m services.exporter" + ("" if command == "export" else f" {command}"),
-                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_arguments(parser)
-    parser.add_argument("--run", default=None, help="run id whose exports to stage (default: the profile's run_id)")
-    parser.add_argument("--alias", default=None, help="also publish the chosen step under this adapter id")
-    parser.add_argument("--pick", choices=["best", "latest"], default="best", help="which step the alias points at")
-    parser.add_argument("--watch", action="store_true", help="keep exporting new steps as they appear")
-    parser.add_argument("--poll", type=float, default=30.0, help="seconds between --watch passes")
-    parser.add_argument("--settle", type=float, default=60.0, help="adopt: seconds an export's files must be unchanged")
+    parser = exporter_parser(command)
     args = parser.parse_args(argv)
     if stray := next((word for word in args.overrides if "=" not in word), None):
         parser.error(f"unknown command {stray!r}: a command comes first, one of {', '.join(COMMANDS)}")
@@ -73,7 +65,44 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as exc:
             parser.error(str(exc))
     cfg = config_from_args(args)
+    if command == "adopt":
+        return adopt(cfg, args.run or cfg.run_id, args.settle)
+    if command in ("s3-up", "s3-down"):
+        return local_s3_command(command, cfg)
+    export_command(command, cfg, args)
 
+
+def exporter_parser(command: str) -> argparse.ArgumentParser:
+    """Returns the parser of `python -m services.exporter [COMMAND]`."""
+    parser = CommandLineParser(prog="python -m services.exporter" + ("" if command == "export" else f" {command}"),
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser)
+    parser.add_argument("--run", default=None, help="run id whose exports to stage (default: the profile's run_id)")
+    parser.add_argument("--alias", default=None, help="also publish the chosen step under this adapter id")
+    parser.add_argument("--pick", choices=["best", "latest"], default="best", help="which step the alias points at")
+    parser.add_argument("--watch", action="store_true", help="keep exporting new steps as they appear")
+    parser.add_argument("--poll", type=float, default=30.0, help="seconds between --watch passes")
+    parser.add_argument("--settle", type=float, default=60.0, help="adopt: seconds an export's files must be unchanged")
+    return parser
+
+
+def local_s3_command(command: str, cfg) -> None:
+    """s3-up / s3-down: starts or stops the local S3-compatible endpoint on loopback."""
+    from shared.storage import local_s3
+
+    if command == "s3-up":
+        state = local_s3.up(cfg.shared_path())
+        log.info(f"local S3 endpoint up: AWS_ENDPOINT_URL={state['endpoint_url']} S3_URI={state['s3_uri']}")
+        return
+    try:
+        stopped = local_s3.down(cfg.shared_path())
+    except RuntimeError as exc:
+        sys.exit(f"error: {exc}")
+    log.info("local S3 endpoint stopped" if stopped else "no local S3 endpoint was running")
+
+
+def export_command(command: str, cfg, args) -> None:
+    """export (once, or with --watch as new steps appear) or list: the run's exports and the adapters in S3."""
     from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -81,20 +110,6 @@ def main(argv: list[str] | None = None) -> None:
     from shared.storage import local_s3
     from shared.storage.adapters import AdapterStore
 
-    if command == "adopt":
-        adopt(cfg, args.run or cfg.run_id, args.settle)
-        return
-    if command == "s3-up":
-        state = local_s3.up(cfg.shared_path())
-        log.info(f"local S3 endpoint up: AWS_ENDPOINT_URL={state['endpoint_url']} S3_URI={state['s3_uri']}")
-        return
-    if command == "s3-down":
-        try:
-            stopped = local_s3.down(cfg.shared_path())
-        except RuntimeError as exc:
-            sys.exit(f"error: {exc}")
-        log.info("local S3 endpoint stopped" if stopped else "no local S3 endpoint was running")
-        return
     try:
         cfg = local_s3.resolve_s3(cfg)
         store = AdapterStore.from_config(cfg)

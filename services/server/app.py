@@ -32,6 +32,7 @@ from services.server.request_rules import (
     check_bearer,
     check_prompt_tokens,
     error_body,
+    no_adapter_store,
     parse_chat_request,
     parse_json_body,
     parse_messages,
@@ -111,9 +112,7 @@ class MazeServer:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.cfg = RunConfig.model_validate(cfg_dict)
         self.base_id = self.cfg.model.base_model_id
-        limits = self.cfg.server
-        self.limits = ChatLimits(limits.max_images_per_request, limits.max_image_bytes, limits.max_prompt_tokens,
-                                 keep_images=self.cfg.model.max_images_in_context)
+        self.limits = ChatLimits.from_server(self.cfg.server, keep_images=self.cfg.model.max_images_in_context)
         model, processor = load_model(model_dir, self.cfg.model.dtype)
         # A placeholder adapter (zero delta) makes the model a PeftModel from the start, so real adapters
         # can be loaded and deleted by name; base requests run with adapters disabled.
@@ -204,8 +203,7 @@ class MazeServer:
         from shared.storage.manifest import ManifestError
 
         if self.store is None:
-            raise RequestError(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
-                               "not_found_error", param="model", code="model_not_found")
+            raise no_adapter_store(adapter_id)
         try:
             version = await self._current_version(adapter_id)
             handle = await self.get_adapter(f"{adapter_id}@{version.version}")

@@ -113,7 +113,8 @@ def serve_config(cfg: RunConfig) -> dict:
 
 
 def validate(config: dict) -> None:
-    """Validates against Ray's own schemas: ServeDeploySchema, and LLMConfig from Ray's source."""
+    """Validates against Ray's own schemas: ServeDeploySchema, and LLMConfig from Ray's source (the public
+    `ray.serve.llm.LLMConfig` imports vLLM, and a dry run validates in the main venv, which has none)."""
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
     from ray.serve.schema import ServeDeploySchema
 

@@ -13,20 +13,18 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from ray.llm._internal.serve.core.configs.openai_api_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    OpenAIHTTPException,
-)
-from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+
+# Ray Serve LLM's public API where it has one; the model list's types and Ray's own HTTP error are not exported there.
+from ray.llm._internal.serve.core.configs.openai_api_models import ModelCard, ModelList, OpenAIHTTPException
+from ray.serve.llm.ingress import OpenAiIngress
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
 from services.server.llm import cause_line
 from services.server.request_rules import (
     ChatLimits,
     RequestError,
     check_bearer,
+    no_adapter_store,
     parse_chat_request,
     parse_json_body,
     parse_messages,
@@ -34,7 +32,7 @@ from services.server.request_rules import (
     split_model,
     validated,
 )
-from shared.config import from_environment
+from shared.config import ServerConfig, from_environment
 from shared.storage.adapters import AdapterNotFound, AdapterStore
 from shared.storage.manifest import ManifestError
 
@@ -65,9 +63,8 @@ class MazeIngress(OpenAiIngress):
                  cache_dir: str | None = None, region: str | None = None, **kwargs):
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths, **kwargs)
         self.api_key = api_key or from_environment("server.api_key")
-        self.limits = dict(limits or {})
-        self.chat_limits = ChatLimits(self.limits.get("max_images_per_request", 16), self.limits.get("max_image_bytes",
-                                      2 << 20), self.limits.get("max_prompt_tokens", 8192))
+        self.server = ServerConfig(**(limits or {}))  # the limits `ingress_config` passes; any left out: the defaults
+        self.chat_limits = ChatLimits.from_server(self.server)
         self.base_id = next(iter(model_cards))
         self.store = AdapterStore(s3_uri, endpoint_url, cache_dir, region=region) if s3_uri else None
 
@@ -80,10 +77,9 @@ class MazeIngress(OpenAiIngress):
         if adapter_id is None:
             return model
         if self.store is None:
-            raise RequestError(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
-                               "not_found_error", param="model", code="model_not_found")
+            raise no_adapter_store(adapter_id)
         manifest = await self._manifest(adapter_id)
-        rank, max_rank = manifest.get("rank"), self.limits.get("max_lora_rank")
+        rank, max_rank = manifest.get("rank"), self.server.max_lora_rank
         if rank is not None and max_rank is not None and int(rank) > max_rank:
             raise RequestError(400, f"adapter {adapter_id!r} has LoRA rank {rank}, above this server's max_lora_rank "
                                     f"{max_rank}: re-export it with a smaller rank or raise server.max_lora_rank",
@@ -107,9 +103,7 @@ class MazeIngress(OpenAiIngress):
 
     def cap_tokens(self, body) -> None:
         """Caps the reply length at server.max_new_tokens (vLLM reads max_completion_tokens first)."""
-        cap = self.limits.get("max_new_tokens")
-        if cap is None:
-            return
+        cap = self.server.max_new_tokens
         if getattr(body, "max_completion_tokens", None) is not None:
             body.max_completion_tokens = min(body.max_completion_tokens, cap)
         body.max_tokens = cap if body.max_tokens is None else min(body.max_tokens, cap)
@@ -119,7 +113,7 @@ class MazeIngress(OpenAiIngress):
         OpenAI-shaped JSON."""
         asked = "?"
         try:
-            max_bytes = self.limits.get("max_request_bytes", 16 << 20)
+            max_bytes = self.server.max_request_bytes
             payload = parse_json_body(await read_body(request, max_bytes), max_bytes)
             if body_type is ChatCompletionRequest:
                 checked = parse_chat_request(payload, streams=True, penalties=True)

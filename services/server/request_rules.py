@@ -121,6 +121,17 @@ class ChatLimits:
     # Decode only the newest this many images (what the model is shown; older ones are dropped unread). None: all.
     keep_images: int | None = None
 
+    @classmethod
+    def from_server(cls, server, keep_images: int | None = None) -> ChatLimits:
+        """Returns the limits of a `server` config section."""
+        return cls(server.max_images_per_request, server.max_image_bytes, server.max_prompt_tokens, keep_images)
+
+
+def no_adapter_store(adapter_id: str) -> RequestError:
+    """The 404 for an adapter asked of a server that has no S3_URI to load adapters from."""
+    return RequestError(404, f"adapter {adapter_id!r} not found: this server has no S3_URI for adapters",
+                        "not_found_error", param="model", code="model_not_found")
+
 
 def check_bearer(authorization: str | None, api_key: str | None) -> None:
     """Raises RequestError 401 unless the Authorization header carries the server's token (none set: open)."""

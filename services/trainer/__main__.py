@@ -48,6 +48,31 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     which, arguments = subcommand(argv, ("submit",), "train")
     submitting = which == "submit"
+    args = trainer_parser(submitting).parse_intermixed_args(arguments)
+    backend = [f"backend={args.backend}"] if args.backend else []
+    cfg = config_from_args(args, backend)
+    overrides = list(args.overrides) + backend
+    if submitting:
+        return submit_job(cfg, args, overrides)
+    from services.trainer import skyrl_backend  # SkyRL itself is imported only when a skyrl run starts
+
+    if (args.dry_run or args.preflight) and cfg.backend != "skyrl":
+        sys.exit("--dry-run and --preflight apply to the skyrl backend (they check SkyRL's config); the local backend just runs")
+    if args.dry_run:
+        try:
+            skyrl_backend.dry_run(cfg, args.config)
+        except skyrl_backend.SkyRLRejected as exc:
+            sys.exit(f"error: {exc}")
+        return
+    if argv_given is None and cfg.backend == "local" and not cfg.cluster.ray_address:
+        from shared.local_ray import enter_loopback
+
+        enter_loopback()  # the in-process Ray listens on loopback only (re-runs this command once)
+    train(cfg, args, argv)
+
+
+def trainer_parser(submitting: bool):
+    """Returns the parser of `python -m services.trainer` (or of its submit command)."""
     parser = command_line("python -m services.trainer" + (" submit" if submitting else ""), __doc__)
     parser.add_argument("--backend", choices=["local", "skyrl"], default=None, help="override the profile's backend")
     parser.add_argument("--dry-run", action="store_true",
@@ -67,41 +92,31 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--forward-env", action="append", default=[], metavar="NAME",
                             help="also send this shell's NAME to the job (e.g. SHARED_DIR; by default the job uses the "
                                  "cluster's own storage); repeatable")
-    args = parser.parse_intermixed_args(arguments)
-    backend = [f"backend={args.backend}"] if args.backend else []
-    cfg = config_from_args(args, backend)
-    overrides = list(args.overrides) + backend
+    return parser
 
-    if submitting and args.dry_run:
-        submit_dry_run(cfg, args.config or str(DEFAULT_CONFIG), overrides, tuple(args.forward_env))
-        return
-    if submitting:
-        from services.trainer.submit import RECORD_DIR, PreflightError, submit
 
-        try:
-            record = submit(cfg, args.config or str(DEFAULT_CONFIG), overrides, force=args.force,
-                            follow=not args.no_follow, timeout_s=args.timeout, preflight=args.preflight,
-                            record_dir=Path(args.record_dir) if args.record_dir else RECORD_DIR,
-                            forward=tuple(args.forward_env))
-        except PreflightError as exc:
-            sys.exit(f"error: {exc}")
-        if record.get("status") not in (None, "SUCCEEDED"):
-            sys.exit(1)
-        return
-    from services.trainer import skyrl_backend  # SkyRL itself is imported only when a skyrl run starts
-
-    if (args.dry_run or args.preflight) and cfg.backend != "skyrl":
-        sys.exit("--dry-run and --preflight apply to the skyrl backend (they check SkyRL's config); the local backend just runs")
+def submit_job(cfg, args, overrides: list[str]) -> None:
+    """`submit`: sends the run to RAY_ADDRESS as a Ray job (or, with --dry-run, prints what it would send)."""
+    config_path = args.config or str(DEFAULT_CONFIG)
     if args.dry_run:
-        try:
-            skyrl_backend.dry_run(cfg, args.config)
-        except skyrl_backend.SkyRLRejected as exc:
-            sys.exit(f"error: {exc}")
-        return
-    if argv_given is None and cfg.backend == "local" and not cfg.cluster.ray_address:
-        from shared.local_ray import enter_loopback
+        return submit_dry_run(cfg, config_path, overrides, tuple(args.forward_env))
+    from services.trainer.submit import RECORD_DIR, PreflightError, submit
 
-        enter_loopback()  # the in-process Ray listens on loopback only (re-runs this command once)
+    try:
+        record = submit(cfg, config_path, overrides, force=args.force, follow=not args.no_follow,
+                        timeout_s=args.timeout, preflight=args.preflight,
+                        record_dir=Path(args.record_dir) if args.record_dir else RECORD_DIR,
+                        forward=tuple(args.forward_env))
+    except PreflightError as exc:
+        sys.exit(f"error: {exc}")
+    if record.get("status") not in (None, "SUCCEEDED"):
+        sys.exit(1)
+
+
+def train(cfg, args, argv: list[str]) -> None:
+    """Runs the training (or the skyrl preflight) under the run's lock, every line also in the run's train.log;
+    exits with one line on an error the user can act on."""
+    from services.trainer import skyrl_backend
     from services.trainer.run_lock import RunLock, RunLocked
     from shared.logs import log_to_file, stop_logging_to
     from shared.models.loading import ModelLoadError

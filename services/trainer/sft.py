@@ -84,20 +84,45 @@ def run_sft(cfg: RunConfig, force: bool = False, log=logger.info) -> Path:
     model, processor = load_model(base_dir, cfg.model.dtype)
     eval_set = EvalSet.held_out(cfg.env)
     eval_set.save(volume.dataset(cfg.env.eval_env))
-    stream = MazeStream.for_sft(cfg.env, excluded_from_training(cfg.env))
-    sft = cfg.sft
 
     started = time.perf_counter()
-    samples: list[TrainingSample] = []
+    samples, stream = demo_samples(cfg, processor, rng)
+    log(f"sft: {len(samples)} turn samples from {cfg.sft.num_mazes} mazes, seeds {stream.seed_range()} "
+        f"({stream.rejected} candidates rejected as held-out mazes) in {time.perf_counter() - started:.0f}s")
+    done_batches = train_on(model, processor, samples, cfg.sft, rng)
+    train_s = time.perf_counter() - started
+    model.eval()
+
+    with staged_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        engine = LocalEngine.for_model(cfg, model, processor, name=cfg.model.path)
+        summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), tmp / "eval",
+                              model=cfg.model.path, adapter=None,
+                              extra={"sft_samples": len(samples), "sft_batches": done_batches, "sft_train_s": round(train_s, 1),
+                                     "sft_seeds": stream.seed_range(), "sft_seed_rejected": stream.rejected,
+                                     "sft_settings": sft_settings(cfg)})
+    log("sft eval: " + describe(summary))
+    return out_dir
+
+
+def demo_samples(cfg: RunConfig, processor, rng: random.Random) -> tuple[list[TrainingSample], MazeStream]:
+    """Returns the turn samples of the demonstrations on sft.num_mazes fresh mazes (never a held-out one), and the
+    stream they came from (its seed range and rejections are recorded)."""
+    stream = MazeStream.for_sft(cfg.env, excluded_from_training(cfg.env))
     try:
-        mazes = stream.take(sft.num_mazes)
+        mazes = stream.take(cfg.sft.num_mazes)
     except ValueError as exc:
         raise ConfigError(f"config error: {exc}") from None
+    samples: list[TrainingSample] = []
     for maze in tqdm(mazes, desc="sft data", unit="maze", leave=False):
-        samples.extend(turn_samples(processor, demo_conversation(maze, cfg), cfg, sft.train_fraction_of_turns, rng))
-    log(f"sft: {len(samples)} turn samples from {sft.num_mazes} mazes, seeds {stream.seed_range()} "
-        f"({stream.rejected} candidates rejected as held-out mazes) in {time.perf_counter() - started:.0f}s")
+        samples.extend(turn_samples(processor, demo_conversation(maze, cfg), cfg, cfg.sft.train_fraction_of_turns, rng))
+    return samples, stream
 
+
+def train_on(model, processor, samples: list[TrainingSample], sft, rng: random.Random) -> int:
+    """Fits the model to the samples' replies (cross-entropy on reply tokens, one-cycle schedule, sft.epochs passes
+    over length-bucketed batches); returns the number of batches."""
     model.train()
     if not sft.train_vision:  # as in LLaVA-style SFT: the encoder stays as built, the language model learns to read it
         for name, param in model.named_parameters():
@@ -126,20 +151,7 @@ def run_sft(cfg: RunConfig, force: bool = False, log=logger.info) -> Path:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", turn_acc=f"{accuracy:.2f}")
     bar.close()
-    train_s = time.perf_counter() - started
-    model.eval()
-
-    with staged_dir(out_dir) as tmp:
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        engine = LocalEngine.for_model(cfg, model, processor, name=cfg.model.path)
-        summary, _ = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), tmp / "eval",
-                              model=cfg.model.path, adapter=None,
-                              extra={"sft_samples": len(samples), "sft_batches": done_batches, "sft_train_s": round(train_s, 1),
-                                     "sft_seeds": stream.seed_range(), "sft_seed_rejected": stream.rejected,
-                                     "sft_settings": sft_settings(cfg)})
-    log("sft eval: " + describe(summary))
-    return out_dir
+    return done_batches
 
 
 def check_built_with(out_dir: Path, cfg: RunConfig) -> None:

@@ -106,18 +106,17 @@ def data_files(cfg: RunConfig, folder: Path | None = None) -> tuple[Path, Path]:
 
 
 def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
-    """Returns SkyRL config overrides (dot keys) for a run config."""
+    """Returns SkyRL config overrides (dot keys) for a run config: the data, then the algorithm and policy, the
+    trainer's placement and schedule, and the generator."""
+    return {"data.train_data": [str(train)], "data.val_data": [str(val)], **policy_overrides(cfg),
+            **trainer_overrides(cfg), **generator_overrides(cfg), "environment.env_class": ENV_CLASS}
+
+
+def policy_overrides(cfg: RunConfig) -> dict:
+    """SkyRL's algorithm, model, LoRA and optimizer keys."""
     volume = SharedVolume(cfg.shared_path())
-    run = volume.run(cfg.run_id)
-    c, a, r, s, lo, env = cfg.cluster, cfg.algorithm, cfg.rollout, cfg.schedule, cfg.lora, cfg.env
-    sampling = {"temperature": r.temperature, "max_generate_length": r.max_new_tokens, "top_p": 1.0, "logprobs": 1}
-    eval_sampling = {"temperature": r.eval_temperature, "max_generate_length": r.max_new_tokens, "top_p": 1.0}
-    engine_kwargs = {"limit_mm_per_prompt": {"image": cfg.model.max_images_in_context}}
-    if c.max_model_len:
-        engine_kwargs["max_model_len"] = c.max_model_len
+    a, lo = cfg.algorithm, cfg.lora
     return {
-        "data.train_data": [str(train)],
-        "data.val_data": [str(val)],
         "trainer.algorithm.advantage_estimator": "grpo",
         "trainer.algorithm.grpo_norm_by_std": a.std_normalize,
         "trainer.algorithm.use_kl_loss": a.use_kl_loss,
@@ -137,6 +136,14 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "trainer.policy.optimizer_config.lr": a.lr,
         "trainer.policy.optimizer_config.weight_decay": a.weight_decay,
         "trainer.policy.optimizer_config.max_grad_norm": a.max_grad_norm,
+    }
+
+
+def trainer_overrides(cfg: RunConfig) -> dict:
+    """SkyRL's placement, batch sizes, schedule, checkpoint and logging keys."""
+    run = SharedVolume(cfg.shared_path()).run(cfg.run_id)
+    c, a, r, s, env = cfg.cluster, cfg.algorithm, cfg.rollout, cfg.schedule, cfg.env
+    return {
         "trainer.strategy": c.strategy,
         "trainer.placement.colocate_all": c.colocate_all,
         "trainer.placement.policy_num_nodes": max(c.num_workers, 1),
@@ -165,6 +172,18 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "trainer.project_name": cfg.trainer.project_name,
         # SkyRL logs to one backend; its TensorBoard files go to runs/<id>/tensorboard (SealingPPOExp.get_tracker).
         "trainer.logger": skyrl_logger(cfg),
+    }
+
+
+def generator_overrides(cfg: RunConfig) -> dict:
+    """SkyRL's generator and inference-engine keys (multi-turn, one picture per turn)."""
+    c, r, env = cfg.cluster, cfg.rollout, cfg.env
+    sampling = {"temperature": r.temperature, "max_generate_length": r.max_new_tokens, "top_p": 1.0, "logprobs": 1}
+    eval_sampling = {"temperature": r.eval_temperature, "max_generate_length": r.max_new_tokens, "top_p": 1.0}
+    engine_kwargs = {"limit_mm_per_prompt": {"image": cfg.model.max_images_in_context}}
+    if c.max_model_len:
+        engine_kwargs["max_model_len"] = c.max_model_len
+    return {
         # SkyRL's VisGym example: the first prompt (text + one picture) within 2048 tokens, the whole
         # multi-turn conversation within 8192.
         "trainer.max_prompt_length": 2048,
@@ -183,7 +202,6 @@ def skyrl_overrides(cfg: RunConfig, train: Path, val: Path) -> dict:
         "generator.inference_engine.model_dtype": cfg.model.dtype,
         "generator.inference_engine.tensor_parallel_size": max(1, training_gpus(cfg) // c.num_engines),
         "generator.inference_engine.engine_init_kwargs": engine_kwargs,
-        "environment.env_class": ENV_CLASS,
     }
 
 
