@@ -193,3 +193,31 @@ def test_every_service_names_its_command_as_the_first_word_only():
     assert subcommand(["--run", "x", "list"], commands, "export") == ("export", ["--run", "x", "list"])
     assert subcommand(["rollout.temperature=1"], commands, "export") == ("export", ["rollout.temperature=1"])
     assert subcommand([], commands, "export") == ("export", [])
+
+
+def test_what_each_setting_decides_is_read_from_the_schema():
+    """Checkpoints, evals and warm starts record the settings that decide them: the schema says which (each field's
+    `decides`, else its section's), and these are the keys it gives, pinned so that a change is deliberate."""
+    from shared.config import RunConfig, deciding_keys, flat_settings
+    from shared.config.schema import EVAL, SFT, TRAINING
+
+    every = set(flat_settings(RunConfig()))
+    assert set(deciding_keys(EVAL)) == {
+        "model.dtype", "model.max_images_in_context", "model.max_turns_in_context", "env.max_turns", "env.cell_px",
+        "env.response_format", "env.action_style", "env.prompt_style", "env.eval_env", "env.eval_seeds",
+        "env.extended_eval_seeds", "rollout.eval_temperature", "rollout.max_new_tokens"}
+    assert set(deciding_keys(SFT)) == {
+        "seed", "model.tiny_name", "model.dtype", "model.max_images_in_context", "model.max_turns_in_context", "env.id",
+        "env.max_turns", "env.cell_px", "env.response_format", "env.action_style", "env.prompt_style",
+        "env.sft_seed_start", *(k for k in every if k.startswith("sft."))}
+    untrained = every - set(deciding_keys(TRAINING))
+    sections = ("storage.", "server.", "dashboards.", "cluster.", "trainer.", "schedule.")
+    assert untrained == {"run_id", "rollout.eval_samples", "rollout.max_error_fraction",
+                         *(k for k in every if k.startswith(sections))}
+    # Every part named in the schema is one of the three (a misspelt one would decide nothing, silently).
+    for section in [RunConfig, *(type(getattr(RunConfig(), n)) for n in RunConfig.model_fields
+                                 if hasattr(getattr(RunConfig(), n), "model_fields"))]:
+        assert set(section.decides) <= {TRAINING, EVAL, SFT}, section
+        for name, info in section.model_fields.items():
+            parts = (info.json_schema_extra or {}).get("decides", []) if isinstance(info.json_schema_extra, dict) else []
+            assert set(parts) <= {TRAINING, EVAL, SFT}, f"{section.__name__}.{name}: {parts}"

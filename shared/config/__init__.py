@@ -17,10 +17,8 @@ from shared.config.cli import (
     subcommand,
 )
 from shared.config.identity import (
-    EVAL_KEYS,
-    SFT_KEYS,
-    UNTRAINED_KEYS,
     changed_settings,
+    deciding_keys,
     eval_settings,
     flat_settings,
     settings_hash,
@@ -59,7 +57,7 @@ from shared.config.schema import (
 
 __all__ = [
     "CommandLineParser", "add_config_arguments", "command_line", "config_from_args", "reveal", "subcommand",
-    "EVAL_KEYS", "SFT_KEYS", "UNTRAINED_KEYS", "changed_settings", "eval_settings", "flat_settings", "settings_hash",
+    "changed_settings", "deciding_keys", "eval_settings", "flat_settings", "settings_hash",
     "sft_settings", "training_settings",
     "ENV_FALLBACKS", "ENV_OVERRIDES", "SECRET_KEYS", "dump_config", "from_environment", "load_config", "parse_config",
     "check_consistent", "check_trainable",

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.config.schema import RunConfig
+from pydantic import BaseModel
 
-# Keys that never change what a training step computes: where files go, how often they are written and scored, how
-# long the run is, and the sections of the other services.
-UNTRAINED_KEYS = ("run_id", "storage.", "server.", "dashboards.", "cluster.", "trainer.", "schedule.total_steps",
-                  "rollout.max_error_fraction", "rollout.eval_samples",
-                  "schedule.eval_interval", "schedule.eval_before_train", "schedule.ckpt_interval",
-                  "schedule.max_ckpts_to_keep", "schedule.hf_save_interval", "schedule.resume_mode")
-# Keys that change how an evaluation plays (beside which policy it scores).
-EVAL_KEYS = ("model.max_images_in_context", "model.max_turns_in_context", "model.dtype", "env.max_turns",
-             "env.cell_px", "env.response_format", "env.action_style", "env.prompt_style", "env.eval_env",
-             "env.eval_seeds", "env.extended_eval_seeds", "rollout.eval_temperature", "rollout.max_new_tokens")
+from shared.config.schema import EVAL, SFT, TRAINING, RunConfig, Section
+
+
+def deciding_keys(part: str, section: type[BaseModel] = RunConfig, prefix: str = "") -> tuple[str, ...]:
+    """Returns the dotted keys whose settings decide `part` (TRAINING, EVAL or SFT), read from the schema: each
+    field's `decides` (schema.decides), else its section's."""
+    keys: list[str] = []
+    for name, info in section.model_fields.items():
+        kind = info.annotation
+        if isinstance(kind, type) and issubclass(kind, Section):
+            keys += deciding_keys(part, kind, f"{prefix}{name}.")
+            continue
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if part in extra.get("decides", getattr(section, "decides", (TRAINING,))):
+            keys.append(f"{prefix}{name}")
+    return tuple(keys)
 
 
 def flat_settings(cfg: RunConfig) -> dict[str, Any]:
@@ -35,29 +41,23 @@ def flat_settings(cfg: RunConfig) -> dict[str, Any]:
 
 
 def training_settings(cfg: RunConfig) -> dict[str, Any]:
-    """Returns the settings that decide what training computes (everything but UNTRAINED_KEYS)."""
-    def untrained(key: str) -> bool:
-        return any(key.startswith(u) if u.endswith(".") else key == u for u in UNTRAINED_KEYS)
-
-    return {k: v for k, v in flat_settings(cfg).items() if not untrained(k)}
-
-
-# Keys that decide what the SFT warm start (services/trainer/sft.py) builds.
-SFT_KEYS = ("seed", "sft.", "model.tiny_name", "model.max_images_in_context", "model.max_turns_in_context",
-            "model.dtype", "env.id", "env.max_turns", "env.cell_px", "env.response_format", "env.action_style",
-            "env.prompt_style", "env.sft_seed_start")
+    """Returns the settings that decide what training computes."""
+    return _settings(cfg, TRAINING)
 
 
 def sft_settings(cfg: RunConfig) -> dict[str, Any]:
-    """Returns the settings that decide the SFT warm start (SFT_KEYS)."""
-    return {k: v for k, v in flat_settings(cfg).items() if any(k.startswith(u) if u.endswith(".") else k == u
-                                                               for u in SFT_KEYS)}
+    """Returns the settings that decide the SFT warm start (services/trainer/sft.py)."""
+    return _settings(cfg, SFT)
 
 
 def eval_settings(cfg: RunConfig) -> dict[str, Any]:
-    """Returns the settings that decide how an evaluation plays (EVAL_KEYS)."""
-    flat = flat_settings(cfg)
-    return {k: flat[k] for k in EVAL_KEYS}
+    """Returns the settings that decide how an evaluation plays (beside which policy it scores)."""
+    return _settings(cfg, EVAL)
+
+
+def _settings(cfg: RunConfig, part: str) -> dict[str, Any]:
+    flat = flat_settings(cfg)  # secrets are left out of it, and so out of every record
+    return {key: flat[key] for key in deciding_keys(part) if key in flat}
 
 
 def settings_hash(settings: dict[str, Any]) -> str:

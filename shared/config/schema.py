@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
@@ -15,19 +15,35 @@ class ConfigError(ValueError):
     """A config problem, phrased for the person who wrote the config."""
 
 
+# What a setting decides: what a training step computes, how an evaluation plays, what the SFT warm start builds.
+# Checkpoints, evals and warm starts record the settings that decide them (shared/config/identity.py), and a resume
+# or a reuse under other values stops with the keys that differ. A field decides its section's `decides` unless
+# its Field says otherwise (`json_schema_extra=decides(...)`).
+TRAINING, EVAL, SFT = "training", "eval", "sft"
+
+
+def decides(*parts: str) -> dict:
+    """A Field's `json_schema_extra`: what the setting decides (none: only where files go, how often, how long)."""
+    return {"decides": list(parts)}
+
+
 class Section(BaseModel):
     # No setting is NaN or infinite: `lr=inf` would train NaN weights and `temperature=nan` play greedily unnoticed.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    decides: ClassVar[tuple[str, ...]] = (TRAINING,)
 
 
 class ModelConfig(Section):
     path: str = Field("tiny-qwen3vl-sft", description="the policy's base checkpoint: a folder under $SHARED_DIR/models/ or an absolute path")
     base_model_id: str = Field("tiny-qwen3vl-sft", description="id clients use for the base model (no ':')")
     bootstrap: Literal["tiny-sft", "none"] = Field("tiny-sft", description="tiny-sft: build the tiny model and SFT it into `path` when missing")
-    tiny_name: str = Field("tiny-qwen3vl", description="where the untrained tiny model is built")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_images_in_context: int = Field(1, ge=1, description="memory guard: older turns keep only their text")
-    max_turns_in_context: int | None = Field(None, ge=1, description="keep the prompt and only the last N exchanges (None: all)")
+    tiny_name: str = Field("tiny-qwen3vl", description="where the untrained tiny model is built",
+                           json_schema_extra=decides(TRAINING, SFT))
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", json_schema_extra=decides(TRAINING, EVAL, SFT))
+    max_images_in_context: int = Field(1, ge=1, description="memory guard: older turns keep only their text",
+                                       json_schema_extra=decides(TRAINING, EVAL, SFT))
+    max_turns_in_context: int | None = Field(None, ge=1, description="keep the prompt and only the last N exchanges (None: all)",
+                                             json_schema_extra=decides(TRAINING, EVAL, SFT))
 
     @field_validator("base_model_id")
     @classmethod
@@ -38,21 +54,25 @@ class ModelConfig(Section):
 
 
 class EnvConfig(Section):
-    id: str = "maze_2d/easy"
-    max_turns: int = Field(15, ge=1, le=200)
-    cell_px: int = Field(32, ge=4, le=128)
+    id: str = Field("maze_2d/easy", json_schema_extra=decides(TRAINING, SFT))
+    max_turns: int = Field(15, ge=1, le=200, json_schema_extra=decides(TRAINING, EVAL, SFT))
+    cell_px: int = Field(32, ge=4, le=128, json_schema_extra=decides(TRAINING, EVAL, SFT))
     reward: Literal["task", "task_format", "task_progress"] = "task"
-    response_format: Literal["plain", "tagged"] = Field("plain", description="tagged = <observation>/<justification>/<action>")
-    action_style: Literal["tuple", "keyword"] = "tuple"
+    response_format: Literal["plain", "tagged"] = Field("plain", description="tagged = <observation>/<justification>/<action>",
+                                                        json_schema_extra=decides(TRAINING, EVAL, SFT))
+    action_style: Literal["tuple", "keyword"] = Field("tuple", json_schema_extra=decides(TRAINING, EVAL, SFT))
     prompt_style: Literal["short", "visgym"] = Field(
         "short", description="short: our one-line prompt (the tiny model's); visgym: VisGym's maze prompt, "
-        "SkyRL's format instruction, tuple reader and parse error, VisGym's feedback (the VisGym SFT checkpoint's)")
-    eval_env: str = "maze_2d/easy"
-    eval_seeds: str = Field("0-63", pattern=r"^\d+-\d+$")
+        "SkyRL's format instruction, tuple reader and parse error, VisGym's feedback (the VisGym SFT checkpoint's)",
+            json_schema_extra=decides(TRAINING, EVAL, SFT))
+    eval_env: str = Field("maze_2d/easy", json_schema_extra=decides(TRAINING, EVAL))
+    eval_seeds: str = Field("0-63", pattern=r"^\d+-\d+$", json_schema_extra=decides(TRAINING, EVAL))
     extended_eval_seeds: str | None = Field(
         "64-575", pattern=r"^\d+-\d+$", description="a larger held-out set the local trainer scores the warm start "
-        "and the final policy on (greedy), for a low-noise gain with confidence intervals; null: skip")
-    sft_seed_start: int = Field(1_000_000, ge=0, description="first seed of the SFT warm start's mazes")
+        "and the final policy on (greedy), for a low-noise gain with confidence intervals; null: skip",
+            json_schema_extra=decides(TRAINING, EVAL))
+    sft_seed_start: int = Field(1_000_000, ge=0, description="first seed of the SFT warm start's mazes",
+                                json_schema_extra=decides(TRAINING, SFT))
     rl_seed_start: int = Field(2_000_000, ge=0, description="first seed of GRPO's mazes (a stream disjoint from SFT's)")
     train_solvable_only: bool = Field(
         False, description="GRPO skips training mazes a perfect agent cannot solve in max_turns (never rewarded)")
@@ -99,10 +119,12 @@ class RolloutConfig(Section):
     train_batch_size: int = Field(8, ge=1, description="maze prompts per step")
     n_samples_per_prompt: int = Field(8, ge=1)
     temperature: float = Field(0.7, ge=0, le=10)
-    eval_temperature: float = Field(0.0, ge=0, le=10, description="0 = greedy")
+    eval_temperature: float = Field(0.0, ge=0, le=10, description="0 = greedy",
+                                    json_schema_extra=decides(TRAINING, EVAL))
     eval_samples: int = Field(8, ge=0, description="the local trainer's sampled eval of warm start and final policy on "
-                              "the extended set: samples per maze at rollout.temperature (mean@k, pass@k); 0 or 1: none")
-    max_new_tokens: int = Field(24, ge=1)
+                              "the extended set: samples per maze at rollout.temperature (mean@k, pass@k); 0 or 1: none",
+                                  json_schema_extra=decides())
+    max_new_tokens: int = Field(24, ge=1, json_schema_extra=decides(TRAINING, EVAL))
     num_workers: int = Field(1, ge=1, description="Ray rollout actors")
     batched: bool = Field(True, description="generate for all live episodes of a worker at once")
     engine: Literal["transformers", "vllm"] = Field(
@@ -112,10 +134,11 @@ class RolloutConfig(Section):
     vllm_max_model_len: int = Field(4096, ge=256, description="engine=vllm: context length (prompt + reply tokens)")
     max_error_fraction: float = Field(
         0.0, ge=0, le=1, description="share of a step's episodes the engine may fail (they are never trained on) "
-        "before the run stops; 0: any failure stops it")
+        "before the run stops; 0: any failure stops it", json_schema_extra=decides())
 
 
 class ScheduleConfig(Section):
+    decides: ClassVar[tuple[str, ...]] = ()
     total_steps: int = Field(40, ge=0)
     eval_interval: int = Field(10, ge=0, description="0 = only before and after training")
     eval_before_train: bool = True
@@ -126,6 +149,7 @@ class ScheduleConfig(Section):
 
 
 class TrainerConfig(Section):
+    decides: ClassVar[tuple[str, ...]] = ()
     logger: list[Literal["console", "tensorboard", "wandb"]] = Field(
         ["console", "tensorboard"],
         description="where step metrics go beside metrics.jsonl: console (the progress line), tensorboard (event "
@@ -142,6 +166,7 @@ class LoraConfig(Section):
 
 
 class SftConfig(Section):
+    decides: ClassVar[tuple[str, ...]] = (TRAINING, SFT)
     demos: Literal["explore", "solver"] = Field(
         "solver", description="explore: demonstrations that follow corridors and choose junctions at random (the warm "
         "start learns the interface, GRPO learns to navigate); solver: the shortest path (the warm start imitates the "
@@ -156,12 +181,14 @@ class SftConfig(Section):
 
 
 class StorageConfig(Section):
+    decides: ClassVar[tuple[str, ...]] = ()
     shared_dir: str = Field(".shared", description="SHARED_DIR: the shared volume (/shared in containers)")
     s3_uri: str | None = Field(None, description="S3_URI, e.g. s3://bucket/prefix")
     aws_endpoint_url: str | None = Field(None, description="AWS_ENDPOINT_URL for S3-compatible servers")
 
 
 class ClusterConfig(Section):
+    decides: ClassVar[tuple[str, ...]] = ()
     ray_address: str | None = Field(None, description="RAY_ADDRESS: http://head:8265 or sagemaker_ray://cluster/ns")
     hyperpod_cluster: str | None = Field(None, description="the SageMaker HyperPod cluster (the preflight describes it)")
     ray_cluster: str | None = Field(None, description="the RayCluster resource (its metadata.name) on the HyperPod EKS "
@@ -190,6 +217,7 @@ class ClusterConfig(Section):
 
 
 class ServerConfig(Section):
+    decides: ClassVar[tuple[str, ...]] = ()
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     url: str | None = Field(None, description="SERVER_URL: where clients (the evaluator) reach the server "
@@ -217,6 +245,7 @@ class ServerConfig(Section):
 
 
 class DashboardsConfig(Section):
+    decides: ClassVar[tuple[str, ...]] = ()
     grafana_url: str | None = Field(None, description="GRAFANA_URL: the Grafana the dashboards are provisioned into")
     grafana_token: SecretStr | None = Field(None, exclude=True, description="GRAFANA_TOKEN: a service-account token; "
                                             "never written out")
@@ -224,8 +253,9 @@ class DashboardsConfig(Section):
 
 
 class RunConfig(Section):
-    run_id: str = Field("tiny-cpu", description="folder under runs/: letters, digits, '.', '_', '-'")
-    seed: int = 0
+    run_id: str = Field("tiny-cpu", description="folder under runs/: letters, digits, '.', '_', '-'",
+                        json_schema_extra=decides())
+    seed: int = Field(0, json_schema_extra=decides(TRAINING, SFT))
     backend: Literal["local", "skyrl"] = "local"
     model: ModelConfig = ModelConfig()
     env: EnvConfig = EnvConfig()
