@@ -13,7 +13,7 @@ from shared.models.chat import assistant_turn, limit_images, text_ids, user_turn
 from shared.models.inference import LocalEngine
 from shared.models.loading import ModelLoadError, load_model
 from shared.models.tiny import build_tiny_model
-from shared.models.training import assistant_mask, collate, encode_conversation, encode_turn, token_logprobs
+from shared.models.training import collate, encode_turn, token_logprobs
 from shared.storage.manifest import sha256_file
 
 CELL_PX = load_config().env.cell_px  # the profile's cell size: one merged vision token per cell
@@ -67,14 +67,6 @@ def test_memory_guard_keeps_last_k_images_and_all_text(tiny):
     texts = [p["text"] for m in limited for p in m["content"] if p["type"] == "text"]
     assert len(kept) == 2 and kept[-1] is messages[-1]["content"][1]
     assert texts == [p["text"] for m in messages for p in m["content"] if p["type"] == "text"]
-
-
-def test_assistant_mask_covers_exactly_the_assistant_tokens(tiny):
-    _, processor = tiny
-    sample = encode_conversation(processor, _conversation(3), max_images=4)
-    masked = [t for t, m in zip(sample.input_ids, sample.response_mask) if m]
-    assert processor.tokenizer.decode(masked) == "('move', 0)<|im_end|>('move', 1)<|im_end|>('move', 2)<|im_end|>"
-    assert assistant_mask(processor, sample.input_ids) == sample.response_mask
 
 
 def test_forward_logprobs_match_generate_scores(tiny):

@@ -25,7 +25,6 @@ QWEN3VL_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
-ASSISTANT_HEADER = "<|im_start|>assistant\n"
 END_OF_TURN = "<|im_end|>"
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.models.chat import ASSISTANT_HEADER, END_OF_TURN, chat_prompt, images_of, limit_context, text_ids
+from shared.models.chat import END_OF_TURN, chat_prompt, images_of, limit_context, text_ids
 from shared.models.inference import Completion, TokenizingEngine
 
 
@@ -21,36 +21,6 @@ class TrainingSample:
     images: list
     advantage: float = 0.0
     old_logprobs: list[float] | None = None  # per response token, from the sampler
-
-
-def assistant_mask(processor, input_ids: list[int]) -> list[int]:
-    """Returns 1 for every assistant token (reply text and its <|im_end|>), 0 elsewhere."""
-    tokenizer = processor.tokenizer
-    header = tokenizer.encode(ASSISTANT_HEADER, add_special_tokens=False)
-    end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-    mask = [0] * len(input_ids)
-    i = 0
-    while i < len(input_ids):
-        if input_ids[i : i + len(header)] == header:
-            j = i + len(header)
-            while j < len(input_ids) and input_ids[j] != end:
-                mask[j] = 1
-                j += 1
-            if j < len(input_ids):
-                mask[j] = 1  # the model also learns to end its turn
-            i = j + 1
-        else:
-            i += 1
-    return mask
-
-
-def encode_conversation(processor, messages: list[dict], max_images: int, max_turns: int | None = None) -> TrainingSample:
-    """Returns a whole conversation (assistant turns included) as ids + assistant mask + images (SFT)."""
-    messages = limit_context(messages, max_images, max_turns)
-    text = processor.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-    images = images_of(messages)
-    ids = text_ids(processor, text, images)
-    return TrainingSample(input_ids=ids, response_mask=assistant_mask(processor, ids), images=images)
 
 
 def reply_sample(processor, context: list[dict], reply: str, max_images: int, max_turns: int | None = None) -> TrainingSample:
