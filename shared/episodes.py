@@ -116,7 +116,9 @@ class Episode:
     def reward(self, mode: str) -> float:
         return self.session.reward(mode)
 
+    @property
     def format_rate(self) -> float:
+        """The share of its replies in the profile's response format (as ScoredEpisode.format_rate holds it)."""
         return self.session.format_rate()
 
     def take(self, completion, keep_samples: bool = False) -> None:

@@ -150,5 +150,5 @@ def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int,
 def scored(episode, samples: list[TrainingSample], reward_mode: str) -> ScoredEpisode:
     """Returns what the learner needs of a played episode (shared.episodes.Episode) and its training samples."""
     return ScoredEpisode(reward=episode.reward(reward_mode), solved=episode.solved, num_turns=len(episode.turns),
-                         parse_failures=episode.parse_failures, format_rate=episode.format_rate(), training_samples=samples,
+                         parse_failures=episode.parse_failures, format_rate=episode.format_rate, training_samples=samples,
                          states=[tuple(p) for p in episode.trace[: len(episode.turns)]])

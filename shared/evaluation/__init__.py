@@ -53,7 +53,7 @@ def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: s
         "pass_at_1_definition": pass_at_1_definition(reward),
         "oracle_solved": oracle,
         "share_of_ceiling": solved / oracle if oracle else 0.0,
-        "format_rate": sum(e.format_rate() for e in episodes) / max(total, 1),
+        "format_rate": sum(e.format_rate for e in episodes) / max(total, 1),
         "parse_failures": sum(e.parse_failures for e in episodes),
         "mean_turns": sum(turns) / max(total, 1),
         "errors": sum(e.error is not None for e in episodes),
