@@ -13,6 +13,7 @@ against deploy/kuberay-v1.schema.json before it is written. `kubectl apply -f de
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ SCHEMA = REPO / "deploy" / "kuberay-v1.schema.json"
 OUT = REPO / "deploy" / "hyperpod"
 PROFILE = REPO / "configs" / "qwen3vl-8b-hyperpod.yaml"
 EXAMPLE_REGISTRY = "123456789012.dkr.ecr.us-west-2.amazonaws.com/"
+EXAMPLE_S3_URI = "s3://maze-grpo-adapters/prefix"
 HEAD_GROUP = "head"  # the HyperPod instance group of the CPU head (cluster.head_instance_type)
 FSX_CLAIM = "fsx-claim"
 SERVE_ACCOUNT = "maze-grpo-serve"  # the serving pods' service account: its IAM role reads the adapters in S3
@@ -128,28 +130,36 @@ def rayservice(cfg: RunConfig, registry: str) -> dict:
                      "rayClusterConfig": spec}}
 
 
+@functools.cache
+def validator(kind: str):
+    """The KubeRay v1 schema's validator for one kind (the schema file is read once)."""
+    import jsonschema
+
+    definitions = json.loads(SCHEMA.read_text())["$defs"]
+    return jsonschema.Draft202012Validator({"$defs": definitions, "$ref": f"#/$defs/{kind}"})
+
+
 def check(manifest: dict) -> None:
     """Raises ManifestError naming the first place the manifest breaks the KubeRay v1 schema."""
     import jsonschema
 
-    schema = json.loads(SCHEMA.read_text())
     kind = manifest.get("kind") if isinstance(manifest, dict) else None
-    if kind not in schema["$defs"] or kind not in ("RayCluster", "RayService"):
+    if kind not in ("RayCluster", "RayService"):
         raise ManifestError(f"kind {kind!r}: this schema holds RayCluster and RayService")
-    validator = jsonschema.Draft202012Validator({"$defs": schema["$defs"], "$ref": f"#/$defs/{kind}"})
-    error = jsonschema.exceptions.best_match(validator.iter_errors(manifest))
+    error = jsonschema.exceptions.best_match(validator(kind).iter_errors(manifest))
     if error is not None:
         where = ".".join(str(p) for p in error.absolute_path) or "(top)"
         raise ManifestError(f"{kind} {where}: {error.message}")
 
 
-def render(cfg: RunConfig, registry: str) -> dict[str, str]:
+def render(cfg: RunConfig, registry: str, profile: Path = PROFILE) -> dict[str, str]:
     """Returns {file name: YAML text} of the profile's manifests, each checked."""
     out = {}
     for name, build in (("raycluster.yaml", raycluster), ("rayservice.yaml", rayservice)):
         manifest = build(cfg, registry)
         check(manifest)
-        out[name] = f"# Rendered by `python deploy/render.py` from {PROFILE.relative_to(REPO)}: do not edit by hand.\n" + \
+        source = profile.resolve().relative_to(REPO) if profile.resolve().is_relative_to(REPO) else profile
+        out[name] = f"# Rendered by `python deploy/render.py` from {source}: do not edit by hand.\n" + \
             yaml.safe_dump(manifest, sort_keys=False, width=120)
     return out
 
@@ -158,13 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python deploy/render.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(PROFILE), help="run profile (default: the HyperPod profile)")
     parser.add_argument("--registry", default=EXAMPLE_REGISTRY, help=f"image registry prefix (default {EXAMPLE_REGISTRY})")
+    parser.add_argument("--s3-uri", default=EXAMPLE_S3_URI,
+                        help=f"where the adapters are staged (storage.s3_uri; default the runbook's {EXAMPLE_S3_URI})")
     parser.add_argument("--out", default=str(OUT), help="folder for the YAML files (default deploy/hyperpod/)")
     parser.add_argument("--check", action="store_true", help="write nothing: exit 1 unless the files are current")
     args = parser.parse_args(argv)
-    environ = {"S3_URI": "s3://maze-grpo-adapters/prefix"}  # the runbook's bucket; a real S3_URI replaces it
     try:
-        cfg = load_config(Path(args.config), [], environ=environ)
-        files = render(cfg, args.registry if args.registry.endswith("/") else args.registry + "/")
+        cfg = load_config(Path(args.config), [], environ={"S3_URI": args.s3_uri})
+        files = render(cfg, args.registry if args.registry.endswith("/") else args.registry + "/", Path(args.config))
     except (ManifestError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

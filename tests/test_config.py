@@ -199,7 +199,7 @@ def test_what_each_setting_decides_is_read_from_the_schema():
     """Checkpoints, evals and warm starts record the settings that decide them: the schema says which (each field's
     `decides`, else its section's), and these are the keys it gives, pinned so that a change is deliberate."""
     from shared.config import RunConfig, deciding_keys, flat_settings
-    from shared.config.schema import EVAL, SFT, TRAINING
+    from shared.config.schema import EVAL, SFT, TRAINING, Section
 
     every = set(flat_settings(RunConfig()))
     assert set(deciding_keys(EVAL)) == {
@@ -215,8 +215,9 @@ def test_what_each_setting_decides_is_read_from_the_schema():
     assert untrained == {"run_id", "rollout.eval_samples", "rollout.max_error_fraction",
                          *(k for k in every if k.startswith(sections))}
     # Every part named in the schema is one of the three (a misspelt one would decide nothing, silently).
-    for section in [RunConfig, *(type(getattr(RunConfig(), n)) for n in RunConfig.model_fields
-                                 if hasattr(getattr(RunConfig(), n), "model_fields"))]:
+    sections = [f.annotation for f in RunConfig.model_fields.values()
+                if isinstance(f.annotation, type) and issubclass(f.annotation, Section)]
+    for section in [RunConfig, *sections]:
         assert set(section.decides) <= {TRAINING, EVAL, SFT}, section
         for name, info in section.model_fields.items():
             parts = (info.json_schema_extra or {}).get("decides", []) if isinstance(info.json_schema_extra, dict) else []

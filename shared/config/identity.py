@@ -3,6 +3,7 @@ starts record these, and a resume or a reuse under other values stops with the k
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pydantic import BaseModel
@@ -10,6 +11,7 @@ from pydantic import BaseModel
 from shared.config.schema import EVAL, SFT, TRAINING, RunConfig, Section
 
 
+@functools.cache
 def deciding_keys(part: str, section: type[BaseModel] = RunConfig, prefix: str = "") -> tuple[str, ...]:
     """Returns the dotted keys whose settings decide `part` (TRAINING, EVAL or SFT), read from the schema: each
     field's `decides` (schema.decides), else its section's."""
