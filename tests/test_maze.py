@@ -224,21 +224,6 @@ def test_training_maze_streams_exclude_eval_mazes_by_content():
     assert [m.seed for m in resumed.take(10)] == [m.seed for m in taken[:10]]
 
 
-def test_a_start_curriculum_moves_the_agent_near_the_target_and_keeps_the_stream():
-    from shared.config import load_config
-    from shared.maze.core import distances_from, start_near_target
-
-    cfg = load_config(overrides=["env.rl_start_within=4"], environ={})
-    near_stream = MazeStream.for_rl(cfg.env, set()).take(30)
-    plain = MazeStream.for_rl(load_config(environ={}).env, set()).take(30)  # off by default: the mazes' own starts
-    assert [m.agent for m in plain] == [generate("maze_2d/easy", m.seed).agent for m in plain]
-    for near, maze in zip(near_stream, plain):
-        assert near.seed == maze.seed and np.array_equal(near.maze_map, maze.maze_map) and near.target == maze.target
-        assert 1 <= distances_from(maze, maze.target)[near.agent] <= 4  # a floor cell 1 to 4 moves out
-        assert start_near_target(maze, 4).agent == near.agent  # drawn from the seed: the same cell every time
-    assert len({m.agent for m in near_stream}) > 5  # not one fixed cell
-
-
 def test_sft_and_rl_draw_disjoint_streams_that_skip_every_held_out_set():
     from shared.config import ConfigError, load_config
     from shared.maze.dataset import excluded_from_training

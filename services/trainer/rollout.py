@@ -130,11 +130,11 @@ def play_rollouts(engine, cfg, seeds_env: list[tuple[str, int]], n_samples: int,
     """Plays each maze n_samples times at the rollout temperature, all episodes batched; returns one group per
     maze, in order (what a rollout worker sends the learner)."""
     from shared.episodes import EpisodeSettings, run_episodes
-    from shared.maze.dataset import training_maze
+    from shared.maze.core import generate
     from shared.models.training import encode_turn
 
     settings = EpisodeSettings.from_config(cfg, temperature=cfg.rollout.temperature)
-    mazes = [training_maze(env_id, s, cfg.env.rl_start_within) for env_id, s in seeds_env for _ in range(n_samples)]
+    mazes = [generate(env_id, s) for env_id, s in seeds_env for _ in range(n_samples)]
     episodes = run_episodes(engine, mazes, settings, keep_samples=True, seed=seed, batched=cfg.rollout.batched)
     groups = [MazeGroup(env_id, s, []) for env_id, s in seeds_env]
     for index, episode in enumerate(episodes):

@@ -74,9 +74,6 @@ class EnvConfig(Section):
     sft_seed_start: int = Field(1_000_000, ge=0, description="first seed of the SFT warm start's mazes",
                                 json_schema_extra=decides(TRAINING, SFT))
     rl_seed_start: int = Field(2_000_000, ge=0, description="first seed of GRPO's mazes (a stream disjoint from SFT's)")
-    rl_start_within: int | None = Field(
-        None, ge=1, description="a start curriculum: each GRPO maze's agent starts 1 to this many moves from the "
-        "target (a cell drawn from the seed), a shorter episode on the same kind of picture; null: the maze's start")
     train_solvable_only: bool = Field(
         False, description="GRPO skips training mazes a perfect agent cannot solve in max_turns (never rewarded)")
 

@@ -160,15 +160,6 @@ def solve(maze: Maze, start: tuple[int, int] | None = None) -> list[int]:
     return moves
 
 
-def start_near_target(maze: Maze, within: int) -> Maze:
-    """Returns the maze with the agent moved to a floor cell 1 to `within` moves from the target, drawn uniformly
-    from the seed (the same cell every time): a shorter episode of the same layout, for a start curriculum."""
-    dist = distances_from(maze, maze.target)
-    cells = sorted(cell for cell, d in dist.items() if 1 <= d <= within)
-    agent = cells[random.Random(maze.seed).randrange(len(cells))]
-    return Maze(maze.maze_map, agent, maze.target, maze.env_id, maze.seed)
-
-
 def open_moves(maze: Maze, position: tuple[int, int]) -> list[int]:
     """Returns the move directions that do not run into a wall at `position`."""
     return [d for d, (dr, dc) in MOVES.items() if maze.maze_map[position[0] + dr, position[1] + dc] == 0]

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.maze.core import Maze, generate, optimal_action_count, start_near_target
+from shared.maze.core import Maze, generate, optimal_action_count
 from shared.storage.files import atomic_write_json
 
 
@@ -93,20 +93,18 @@ def excluded_from_training(env) -> set[str]:
 
 class MazeStream:
     """Training mazes: seeds from `start` upward, skipping any maze whose content equals an eval maze
-    (and, with `max_actions`, any maze that needs more actions than that). With `start_within`, each maze's agent
-    starts 1 to that many moves from the target (`start_near_target`), after both checks.
+    (and, with `max_actions`, any maze that needs more actions than that).
 
     The cursor is the next seed to try, so a checkpointed cursor resumes the exact same stream.
     """
 
     def __init__(self, env_id: str, excluded: set[str], start: int, max_actions: int | None = None,
-                 stop: int | None = None, start_within: int | None = None):
+                 stop: int | None = None):
         self.env_id = env_id
         self.excluded = excluded
         self.max_actions = max_actions  # skip mazes whose shortest solution takes more actions (None: keep all)
         self.start = start
         self.stop = stop  # the stream must not reach this seed (another stream's first): ValueError there
-        self.start_within = start_within
         self.cursor = start
         self.rejected = 0
         self.end = start  # one past the highest seed drawn
@@ -119,8 +117,7 @@ class MazeStream:
     @classmethod
     def for_rl(cls, env, excluded: set[str]) -> MazeStream:
         """Returns GRPO's maze stream (only solvable mazes if the config says so), disjoint from SFT's."""
-        return cls(env.id, excluded, env.rl_seed_start, env.max_turns if env.train_solvable_only else None,
-                   start_within=env.rl_start_within)
+        return cls(env.id, excluded, env.rl_seed_start, env.max_turns if env.train_solvable_only else None)
 
     def seed_range(self) -> str:
         """Returns the seeds this stream has drawn so far, `A-B` inclusive (empty before the first)."""
@@ -145,7 +142,7 @@ class MazeStream:
                 continue
             if self.max_actions is not None and optimal_action_count(maze) > self.max_actions:
                 continue
-            return start_near_target(maze, self.start_within) if self.start_within else maze
+            return maze
 
     def state(self) -> dict:
         return {"cursor": self.cursor, "rejected": self.rejected, "end": self.end}
@@ -153,10 +150,3 @@ class MazeStream:
     def load_state(self, state: dict) -> None:
         self.cursor, self.rejected = int(state["cursor"]), int(state["rejected"])
         self.end = int(state.get("end", self.cursor))
-
-
-def training_maze(env_id: str, seed: int, start_within: int | None) -> Maze:
-    """Returns the training maze of `seed` as MazeStream yields it (its agent moved near the target with a start
-    curriculum): what a rollout worker rebuilds from the seed the learner sends."""
-    maze = generate(env_id, seed)
-    return start_near_target(maze, start_within) if start_within else maze
