@@ -158,7 +158,8 @@ def render(cfg: RunConfig, registry: str, profile: Path = PROFILE) -> dict[str, 
     for name, build in (("raycluster.yaml", raycluster), ("rayservice.yaml", rayservice)):
         manifest = build(cfg, registry)
         check(manifest)
-        source = profile.resolve().relative_to(REPO) if profile.resolve().is_relative_to(REPO) else profile
+        resolved = profile.resolve()
+        source = resolved.relative_to(REPO) if resolved.is_relative_to(REPO) else profile
         out[name] = f"# Rendered by `python deploy/render.py` from {source}: do not edit by hand.\n" + \
             yaml.safe_dump(manifest, sort_keys=False, width=120)
     return out

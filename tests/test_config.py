@@ -211,13 +211,13 @@ def test_what_each_setting_decides_is_read_from_the_schema():
         "env.max_turns", "env.cell_px", "env.response_format", "env.action_style", "env.prompt_style",
         "env.sft_seed_start", *(k for k in every if k.startswith("sft."))}
     untrained = every - set(deciding_keys(TRAINING))
-    sections = ("storage.", "server.", "dashboards.", "cluster.", "trainer.", "schedule.")
+    prefixes = ("storage.", "server.", "dashboards.", "cluster.", "trainer.", "schedule.")
     assert untrained == {"run_id", "rollout.eval_samples", "rollout.max_error_fraction",
-                         *(k for k in every if k.startswith(sections))}
+                         *(k for k in every if k.startswith(prefixes))}
     # Every part named in the schema is one of the three (a misspelt one would decide nothing, silently).
-    sections = [f.annotation for f in RunConfig.model_fields.values()
-                if isinstance(f.annotation, type) and issubclass(f.annotation, Section)]
-    for section in [RunConfig, *sections]:
+    section_types = [f.annotation for f in RunConfig.model_fields.values()
+                     if isinstance(f.annotation, type) and issubclass(f.annotation, Section)]
+    for section in [RunConfig, *section_types]:
         assert set(section.decides) <= {TRAINING, EVAL, SFT}, section
         for name, info in section.model_fields.items():
             parts = (info.json_schema_extra or {}).get("decides", []) if isinstance(info.json_schema_extra, dict) else []
