@@ -713,8 +713,8 @@ def test_settings_that_cannot_train_are_refused_at_start_up(tmp_path):
              words=("rollout.max_new_tokens = 3 is shorter than a plain reply",))
 
 
-# Eight GRPO steps on fresh 7x7 mazes from TRANSFER's short warm start, the default's branch advantage; the 64
-# held-out mazes are played greedily before and after (eval_interval=0), never trained on.
+# Eight GRPO steps on fresh 7x7 mazes from TRANSFER's short warm start (pinned in tests/fixtures), the default's
+# branch advantage; the 64 held-out mazes are played greedily before and after (eval_interval=0), never trained on.
 GRPO_7X7 = ["rollout.train_batch_size=4", "rollout.n_samples_per_prompt=8", "rollout.temperature=1.0",
             "algorithm.advantage_estimator=branch", "algorithm.lr=0.001", "algorithm.mini_batch_size=null",
             "lora.rank=8", "lora.alpha=16", "schedule.total_steps=8", "schedule.eval_interval=0",
@@ -724,9 +724,10 @@ GRPO_7X7 = ["rollout.train_batch_size=4", "rollout.n_samples_per_prompt=8", "rol
 @pytest.mark.slow
 def test_grpo_on_fresh_mazes_transfers_to_mazes_it_never_trained_on(warm_start_7x7, tmp_path):
     """The transfer test: eight GRPO steps on fresh mazes make the greedy policy solve more of 64 held-out mazes,
-    paired maze by maze, with the paired 95% interval of the gain above zero (its own noise). A flipped loss sign
-    lowers it (the walls are already most first mistakes) and zeroed advantages train nothing: either fails here
-    (docs/experiments.md, "A transfer test")."""
+    paired maze by maze, with the paired 95% interval of the gain above zero (its own noise). The warm start never
+    says `stop` and mostly walks into walls; GRPO teaches it to stop on the target and to bump fewer walls. A
+    flipped loss sign or zeroed advantages fail here, under AVX-512 and AVX2 kernels alike (docs/experiments.md,
+    "A transfer test" and "The transfer test, pinned")."""
     shutil.copytree(warm_start_7x7, tmp_path / "models")
     env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "services.trainer", *TRANSFER, *GRPO_7X7, "run_id=transfer"],
