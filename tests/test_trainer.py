@@ -28,6 +28,7 @@ from services.trainer.algorithm import (
     ppo_clip_loss,
     register_estimator,
 )
+from services.trainer.report import plot_title
 from services.trainer.rollout import MazeGroup, ScoredEpisode
 from shared.config import AlgorithmConfig
 from shared.models.training import TrainingSample
@@ -302,6 +303,7 @@ def test_two_step_run_writes_every_artifact(trained):
     # The summary, the page and the plot's title name the warm start the run started from, and what it imitated.
     assert sft_summary["sft_settings"]["sft.demos"] == "solver"
     assert summary["warm_start"] == "tiny-qwen3vl-sft (sft.demos=solver: imitates the optimal solver)"
+    assert plot_title(summary) == f"{summary['run_id']}, from tiny-qwen3vl-sft (sft.demos=solver)"  # the PNG's title
     assert f"warm start: {summary['warm_start']}" in proc.stdout and "imitates the optimal solver" in page
     # The run ends saying where its results landed: report, plot, the best export and the commands for it.
     landed = proc.stdout[proc.stdout.index("where it landed:"):]

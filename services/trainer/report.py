@@ -33,6 +33,12 @@ def warm_start_kind(path: str, sft_summary: dict) -> str:
     return f"{path} (sft.demos={demos}: {what.get(demos, demos)})"
 
 
+def plot_title(result: dict) -> str:
+    """Returns the plot's title: the run and its warm start with the demonstrations it imitated, as in `sft.demos`."""
+    warm_start = (result.get("warm_start") or "n/a").split(": ")[0]
+    return f"{result['run_id']}, from {warm_start}{')' if warm_start.count('(') > warm_start.count(')') else ''}"
+
+
 def summary_rows(result: dict) -> list[list[str]]:
     """Returns the summary table: a header, then one row per comparison (warm start, final, change, ceiling)."""
     table = [["", "warm start (95% CI)", "final (95% CI)", "change (paired 95% CI, p)", "ceiling"]]
@@ -105,7 +111,7 @@ def write_run_report(run_dir: Path, result: dict, metrics: list[dict], history: 
     png = run_dir / "solve_rate_vs_step.png"
     plot_solve_rate(png, steps, [history[s]["solve_rate"] for s in steps],
                     history[steps[0]]["oracle_solved"] / history[steps[0]]["total"],
-                    f"{result['run_id']}, from {(result.get('warm_start') or 'n/a').split(' (')[0]}", series, training)
+                    plot_title(result), series, training)
     rows = summary_rows(result)
     table = "".join("<tr>" + "".join(f"<t{'h' if i == 0 else 'd'}>{html.escape(cell)}</t{'h' if i == 0 else 'd'}>"
                                      for cell in row) + "</tr>" for i, row in enumerate(rows))
