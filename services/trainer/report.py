@@ -35,8 +35,9 @@ def warm_start_kind(path: str, sft_summary: dict) -> str:
 
 def plot_title(result: dict) -> str:
     """Returns the plot's title: the run and its warm start with the demonstrations it imitated, as in `sft.demos`."""
-    warm_start = (result.get("warm_start") or "n/a").split(": ")[0]
-    return f"{result['run_id']}, from {warm_start}{')' if warm_start.count('(') > warm_start.count(')') else ''}"
+    warm_start = result.get("warm_start") or "n/a"
+    label, cut, _ = warm_start.partition(": ")  # "path (sft.demos=solver: what that means)" -> "path (sft.demos=solver)"
+    return f"{result['run_id']}, from {label}{')' if cut else ''}"
 
 
 def summary_rows(result: dict) -> list[list[str]]:
