@@ -120,41 +120,15 @@ def tiny(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-# A fixed handful of 5x5 mazes (4 moves and stop, corner to corner), whose warm start (300 SFT mazes) answers in
-# format: what the vLLM GRPO run starts from.
-LEARN = ["env.id=maze_2d/5x5", "env.eval_env=maze_2d/5x5", "env.max_turns=6", "env.eval_seeds=0-7",
-         "env.extended_eval_seeds=null", "env.reward=task_progress", "model.path=sft-5x5", "sft.num_mazes=300",
-         "sft.batch_size=16", "rollout.max_new_tokens=7"]
-
 # 7x7 mazes in 10 turns (753 distinct mazes in 3,000 seeds, so GRPO's fresh mazes and the 64 held out stay apart),
 # and a short warm start: the solver's replies on 310 mazes (142 batches) teach the reply format and little of the
 # walls, so it solves none of the 64, never says `stop` and walks into a wall in most (docs/experiments.md): what
-# the transfer test starts from. These are the settings it was built with; the test reads it from
+# the transfer test starts from, and the GRPO run through vLLM and SkyRL's chain (a warm start that answers in
+# format is all they need). These are the settings it was built with; the tests read it from
 # tests/fixtures/models/sft-7x7 (see `warm_start_7x7`).
 TRANSFER = ["env.id=maze_2d/7x7", "env.eval_env=maze_2d/7x7", "env.max_turns=10", "env.eval_seeds=0-63",
             "env.extended_eval_seeds=null", "env.reward=task_progress", "model.path=sft-7x7", "sft.num_mazes=310",
             "sft.batch_size=16", "rollout.max_new_tokens=7"]
-
-
-def _warm_start(tmp_path_factory, worker_id, name: str, overrides: list[str]) -> Path:
-    """Returns the `models/` folder holding a warm start built by `overrides`: built once per test run by whichever
-    worker asks first (the others wait on a lock), then copied by each test into its own volume."""
-    import fcntl
-
-    root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    shared = root / f"warm-start-{name}"
-    with open(root / f"warm-start-{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (shared / "models" / f"sft-{name}" / "manifest.json").is_file():
-            proc = subprocess.run([sys.executable, "-m", "services.trainer.sft", *overrides], cwd=REPO, timeout=1800,
-                                  env={**os.environ, "SHARED_DIR": str(shared)}, capture_output=True, text=True)
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return shared / "models"
-
-
-@pytest.fixture(scope="session")
-def warm_start_5x5(tmp_path_factory, worker_id) -> Path:
-    return _warm_start(tmp_path_factory, worker_id, "5x5", LEARN)
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,12 @@ The graph (what each job waits for):
     lint, skyrl-env, images (engine + base image + CPU images)                       once venv (and system) are in
     tests: every test but the container ones, one at a time                        once lint, system, vllm-env are
     skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env and tests are
-    container-tests: the stack in real containers (conftest marks them `docker`)   once images and skyrl-checks are
+    container-tests: the stack in real containers (conftest marks them `docker`)   once images and tests are
 The installs wait on the network and the disk and the image build mostly writes to disk, so they run beside the
-tests; the test runs themselves go one after another. On 2 cores a second test stream did not pay: two trainer
-runs side by side each took two to four times as long, and Ray and vLLM start-ups timed out under that load.
+tests. Beside the main test run a second test stream did not pay on 2 cores: two trainer runs side by side each
+took two to four times as long, and Ray and vLLM start-ups timed out under that load. SkyRL's checks and the
+container tests, after it, go side by side: each leaves about a third of the cores idle (waiting on Ray, vLLM and
+the containers' start-ups), and their start-ups wait minutes, not seconds.
 """
 
 from __future__ import annotations
@@ -87,10 +89,11 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
         # core serves the other stream (installs, images, the container and SkyRL tests).
         pytest_job("tests", PY, ["-m", "not docker", *pytest_args], ["lint", "system", "vllm-env"], workers=1),
         # The other test runs wait for the first: beside it, a Ray or vLLM start-up in a second test stream timed out
-        # (seen three times on the slow machines); the installs and the image build are what overlaps.
+        # (seen three times on the slow machines); the installs and the image build are what overlaps it. The two
+        # then run side by side (the docstring says why).
         pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args],
                    ["skyrl-env", "tests"], workers=1),
-        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "skyrl-checks"], workers=1),
+        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "tests"], workers=1),
     ]
 
 

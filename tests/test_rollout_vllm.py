@@ -65,15 +65,16 @@ def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_loc
         [sampled[3].token_ids, sampled[6].token_ids], "a request's draw depends on its own seed only"
 
 
-def test_a_grpo_run_rolls_out_through_vllm(warm_start_5x5, tmp_path):
-    # The 2-step run the trainer tests use, on LEARN's 5x5 mazes: that warm start (300 SFT mazes) answers
-    # in format, so a group's sampled episodes can earn different rewards. MINIMAL's 12-maze warm start answers none.
-    from conftest import LEARN
+def test_a_grpo_run_rolls_out_through_vllm(warm_start_7x7, tmp_path):
+    # The 2-step run the trainer tests use, from the transfer test's warm start (pinned in tests/fixtures) on its 7x7
+    # mazes: it answers in format, so a group's sampled episodes earn different rewards (MINIMAL's 12-maze warm start
+    # answers none). Four held-out mazes, not its 64: the greedy scores are the transfer test's subject, not this one's.
+    from conftest import TRANSFER
     from test_trainer import MINIMAL
 
-    shutil.copytree(warm_start_5x5, tmp_path / "models")
+    shutil.copytree(warm_start_7x7, tmp_path / "models")
     env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "services.trainer", *MINIMAL, *LEARN, "run_id=vllm-rollout",
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", *MINIMAL, *TRANSFER, "env.eval_seeds=0-3", "run_id=vllm-rollout",
                            "rollout.engine=vllm", "schedule.total_steps=2", "rollout.n_samples_per_prompt=4", "rollout.vllm_kv_cache_bytes=268435456"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -11,6 +11,7 @@ adapter files, turn for turn.
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 MAIN_PY, VLLM_PY = REPO / ".venv" / "bin" / "python", REPO / ".venv-vllm" / "bin" / "python"
 BASE = "tiny-qwen3vl-sft"
 RUN = "chain"
-MAZES = ["env.eval_seeds=0-3", "env.extended_eval_seeds=null"]
+# The warm start's own mazes (conftest.TRANSFER), four of them.
+MAZES = ["env.id=maze_2d/7x7", "env.eval_env=maze_2d/7x7", "env.max_turns=10", "env.eval_seeds=0-3",
+         "env.extended_eval_seeds=null"]
 
 
 def _port() -> int:
@@ -41,16 +44,13 @@ def _run(python, *args, env, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def warm_start(tiny_model_dir, tmp_path_factory):
-    """A short SFT of the tiny model: enough that its greedy replies are legal moves."""
-    from services.trainer.sft import run_sft
-
+def warm_start(warm_start_7x7, tmp_path_factory):
+    """The transfer test's warm start (pinned in tests/fixtures) as the profile's model, on a volume of its own: its
+    greedy replies on its 7x7 mazes are legal moves, which is all the chain needs."""
     shared = tmp_path_factory.mktemp("chain-shared")
-    cfg = load_config(REPO / "configs/tiny-cpu.yaml", [f"storage.shared_dir={shared}", "sft.num_mazes=150",
-                                                       "sft.batch_size=16", *MAZES], environ={})
-    (shared / "models").mkdir(exist_ok=True)
-    os.symlink(tiny_model_dir, shared / "models" / cfg.model.tiny_name)  # the built tiny model, not built again
-    return shared, run_sft(cfg, log=lambda *_: None)
+    model_dir = shared / "models" / load_config(REPO / "configs/tiny-cpu.yaml", [], environ={}).model.path
+    shutil.copytree(warm_start_7x7 / "sft-7x7", model_dir)
+    return shared, model_dir
 
 
 @pytest.mark.usefixtures("one_process_group")
