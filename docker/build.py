@@ -184,14 +184,20 @@ def copy_ca_certs(source: Path | None) -> int:
     return len(found)
 
 
-def build_one(client, name: str, repo: str, build_args: dict, rev: str) -> tuple:
-    """Builds one image, streaming its log; returns the image. Raises BuildError with the failing step."""
+# A build step's CPU weight under --yield-cpu: a quarter of a process's (the engine's default is 1024).
+YIELDING_CPU_SHARES = 256
+
+
+def build_one(client, name: str, repo: str, build_args: dict, rev: str, yield_cpu: bool = False) -> tuple:
+    """Builds one image, streaming its log; returns the image. Raises BuildError with the failing step. With
+    `yield_cpu`, the build's steps run at a quarter of a process's CPU weight: work beside it keeps the cores."""
     dockerfile, target = IMAGES[name]
     tail: list[str] = []
     image_id = None
     stream = client.api.build(path=str(ROOT), dockerfile=dockerfile, target=target, tag=f"{repo}:{version()}",
                               buildargs=build_args, labels=labels(name, rev, build_args.get("BASE_IMAGE", "")),
-                              rm=True, forcerm=True, decode=True)
+                              rm=True, forcerm=True, decode=True,
+                              container_limits={"cpushares": YIELDING_CPU_SHARES} if yield_cpu else None)
     for chunk in stream:
         if "stream" in chunk:
             sys.stdout.write(chunk["stream"])
@@ -240,6 +246,8 @@ def main(argv=None) -> None:
                         "images trust, e.g. a proxy's (default: this host's locally added ones; '' for none)")
     parser.add_argument("--registry", default="", help="prefix for the image names, e.g. 123.dkr.ecr.us-west-2.amazonaws.com/")
     parser.add_argument("--push", action="store_true", help="push every tag after building (needs --registry)")
+    parser.add_argument("--yield-cpu", action="store_true", help="run the build steps at a quarter of a process's CPU "
+                        "weight, so that work beside the build keeps the cores (make test builds beside its tests)")
     parser.add_argument("--keep-old", action="store_true", help="keep the images earlier commits built (default: "
                         "each build removes the ones it replaces)")
     args = parser.parse_args(argv)
@@ -267,7 +275,7 @@ def main(argv=None) -> None:
             repo = f"{args.registry}maze-grpo/{name}"
             print(f"==> {repo}:{version()} ({IMAGES[name][0]}, target {IMAGES[name][1]})", flush=True)
             started = time.time()
-            image = build_one(client, name, repo, build_args if name in cpu else {}, rev)
+            image = build_one(client, name, repo, build_args if name in cpu else {}, rev, args.yield_cpu)
             built.append((repo, image, time.time() - started))
             if not args.keep_old:
                 removed = prune_superseded(client, repo, image)
