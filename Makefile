@@ -42,6 +42,7 @@ ifeq ($(LOCKED),1)
 	$(PY) -m pip install $(PIP_FLAGS) "$$(grep -i '^pip==' $(MAIN_LOCK))"
 	$(PY) -m pip install $(PIP_FLAGS) --no-deps -r $(MAIN_LOCK)
 	$(PY) -m pip install $(PIP_FLAGS) --no-deps -e .
+	$(PY) envs/freeze.py --prune $(VENV) $(MAIN_LOCK)
 else
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
 	@# torch first, pinned, so no later resolver pulls a multi-GB build of its own.
@@ -62,6 +63,7 @@ ifeq ($(LOCKED),1)
 	$(SKYRL_PY) -m pip install $(PIP_FLAGS) "$$(grep -i '^pip==' $(SKYRL_LOCK))"
 	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --no-deps -r $(SKYRL_LOCK)
 	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --no-deps '$(SKYRL_PIN)' -e .
+	$(PY) envs/freeze.py --prune $(SKYRL_VENV) $(SKYRL_LOCK)
 else
 	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --upgrade pip
 	@# torch first and alone (a Python 3.12 build: about 550 MB from the package index, its CUDA libraries from this disk).

@@ -1,6 +1,7 @@
 """Writes a venv's lock: every installed distribution at its exact version (`make lock` runs this).
 
     python envs/freeze.py VENV LOCK_FILE
+    python envs/freeze.py --prune VENV LOCK_FILE   # uninstall what the venv holds and the lock does not
 
 The project itself (installed editable) and flash-attn (built from its sources by the Makefile at its own pin) are
 left out; the file starts with a header saying how it was made. The Makefile installs each venv from its lock with
@@ -25,12 +26,27 @@ def frozen(venv: Path) -> list[str]:
     return sorted((line for line in lines if line.split("==")[0].lower().replace("_", "-") not in SEPARATE), key=str.lower)
 
 
+def prune(venv: Path, lock: Path) -> None:
+    """Uninstalls every distribution `venv` holds that `lock` does not list (by name): after a lock drops a
+    dependency, `make setup` on an existing venv leaves it equal to its lock, as a fresh one would be."""
+    listed = {line.split("==")[0].strip().lower().replace("_", "-") for line in lock.read_text().splitlines()
+              if "==" in line and not line.startswith("#")}
+    extra = [line.split("==")[0] for line in frozen(venv) if line.split("==")[0].lower().replace("_", "-") not in listed]
+    if extra:
+        print(f"removing what {lock} no longer lists: {' '.join(extra)}")
+        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *extra], check=True)
+
+
 def main(argv: list[str]) -> None:
+    pruning = argv[:1] == ["--prune"]
+    argv = argv[1:] if pruning else argv
     if len(argv) != 2:
-        raise SystemExit("usage: python envs/freeze.py VENV LOCK_FILE")
+        raise SystemExit("usage: python envs/freeze.py [--prune] VENV LOCK_FILE")
     venv, lock = Path(argv[0]), Path(argv[1])
     if not (venv / "bin" / "python").exists():
         raise SystemExit(f"error: {venv} is not a venv (no bin/python)")
+    if pruning:
+        return prune(venv, lock)
     header = (f"# The exact versions of {lock.stem}'s venv, written by `make lock` (envs/freeze.py) from a fresh,\n"
               "# unconstrained install of pyproject.toml; the Makefile installs exactly these (pip --no-deps -r). Edit pyproject.toml,\n"
               "# then run `make lock`, never this file.\n")
