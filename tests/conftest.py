@@ -54,24 +54,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if module in ENGINE_MODULES:
             item.add_marker(getattr(pytest.mark, ENGINE_MODULES[module]))
-        group = xdist_group(item, module)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
-def xdist_group(item, module: str) -> str | None:
-    """Under two workers (`make test`), the tests sharing something costly to start stay on one worker, so it starts
-    once there: every vLLM test (one vLLM engine at a time: a start-up keeps both cores busy for a minute or more, and
-    the module's server serves all of its tests), every user of the session's transformers server (stopped after
-    its last user, which only holds on the worker that runs them all), and a module's tests sharing a module-scoped
-    fixture (a trained run, a Ray head). The rest spread freely."""
-    if ENGINE_MODULES.get(module) == "vllm":
-        return "vllm"
-    if "server" in item.fixturenames:
-        return "server"
-    if any(defs and defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()):
-        return module
-    return None
+        # Under two workers (`make test`), tests sharing a module-scoped fixture (a trained run, a started server)
+        # stay on one worker, so it is built once; the rest spread freely.
+        shared = sorted(name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+                        if defs and defs[-1].scope == "module")
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{module}:{','.join(shared)}"))
 
 
 # Session services that keep processes running (an idle Ray Serve app takes about a sixth of a core on these

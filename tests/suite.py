@@ -9,17 +9,14 @@ one count over all the test jobs ('tests: N passed, N failed').
 The graph (what each job waits for):
     venv (make setup) | system (apt: prometheus, chromium, docker) | vllm-env       all three at once
     lint, skyrl-env, images (engine + base image + CPU images)                       once venv (and system) are in
-    tests: every test but the container ones, on two workers                        once lint, system, vllm-env are
+    tests: every test but the container ones, one at a time                        once lint, system, vllm-env are
     skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env and tests are
     container-tests: the stack in real containers (conftest marks them `docker`)   once images and tests are
 The installs wait on the network and the disk and the image build mostly writes to disk, so they run beside the
-tests. The main run takes two workers: one test alone leaves the cores idle a good part of the time (a trainer run
-with its Ray head kept them 62% busy), and on two workers they are busy 95% of it (the main run 18 to 14 minutes on
-the faster machines, docs/experiments.md). What costs a start-up (the vLLM servers and engines, the transformers
-server, a module's trained run) stays on one worker (tests/conftest.py, `xdist_group`), so it starts once. A third
-test stream beside those did not pay (Ray and vLLM start-ups timed out on the slow machines): SkyRL's checks and the
-container tests wait for the main run, then go side by side, each leaving about a third of the cores idle (waiting on
-Ray, vLLM and the containers' start-ups).
+tests. Beside the main test run a second test stream did not pay on 2 cores: two trainer runs side by side each
+took two to four times as long, and Ray and vLLM start-ups timed out under that load. SkyRL's checks and the
+container tests, after it, go side by side: each leaves about a third of the cores idle (waiting on Ray, vLLM and
+the containers' start-ups), and their start-ups wait minutes, not seconds.
 """
 
 from __future__ import annotations
@@ -91,10 +88,12 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
         make("skyrl-env", "skyrl-env", ("venv",)),
         Job("engine", engine, ["system"], background=True, ready="engine-ready"),
         Job("images", ["bash", "-c", images], ["venv", "engine"]),
-        # Two workers, the image build beside them at a quarter of their CPU weight (the docstring says why).
-        pytest_job("tests", PY, ["-m", "not docker", *pytest_args], ["lint", "system", "vllm-env"], workers=2),
-        # The other test runs wait for the main one: a Ray or vLLM start-up in a test stream beside it timed out (seen
-        # three times on the slow machines). The two then run side by side (the docstring says why).
+        # One worker: most of these start Ray, servers and engines, each of which wants both cores, and the second
+        # core serves the other stream (installs, images, the container and SkyRL tests).
+        pytest_job("tests", PY, ["-m", "not docker", *pytest_args], ["lint", "system", "vllm-env"], workers=1),
+        # The other test runs wait for the first: beside it, a Ray or vLLM start-up in a second test stream timed out
+        # (seen three times on the slow machines); the installs and the image build are what overlaps it. The two
+        # then run side by side (the docstring says why).
         pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args],
                    ["skyrl-env", "tests"], workers=1),
         pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "tests"], workers=1),
