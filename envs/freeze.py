@@ -18,20 +18,28 @@ from pathlib import Path
 SEPARATE = {"maze-grpo", "flash-attn"}  # installed by the Makefile on their own, never from a lock
 
 
+def name(line: str) -> str:
+    """Returns the distribution name of a `name==version` line, in the one spelling pip and the locks may differ on."""
+    return line.split("==")[0].strip().lower().replace("_", "-")
+
+
+def pinned(text: str) -> list[str]:
+    """Returns the `name==version` lines of a pip freeze output or a lock file (comments left out)."""
+    return [line.strip() for line in text.splitlines() if "==" in line and not line.startswith("#")]
+
+
 def frozen(venv: Path) -> list[str]:
     """Returns `name==version` for every distribution in `venv` but those in SEPARATE, sorted by name."""
     out = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze", "--exclude-editable", "--all"],
                          check=True, capture_output=True, text=True).stdout
-    lines = [line.strip() for line in out.splitlines() if "==" in line and not line.startswith("#")]
-    return sorted((line for line in lines if line.split("==")[0].lower().replace("_", "-") not in SEPARATE), key=str.lower)
+    return sorted((line for line in pinned(out) if name(line) not in SEPARATE), key=str.lower)
 
 
 def prune(venv: Path, lock: Path) -> None:
     """Uninstalls every distribution `venv` holds that `lock` does not list (by name): after a lock drops a
     dependency, `make setup` on an existing venv leaves it equal to its lock, as a fresh one would be."""
-    listed = {line.split("==")[0].strip().lower().replace("_", "-") for line in lock.read_text().splitlines()
-              if "==" in line and not line.startswith("#")}
-    extra = [line.split("==")[0] for line in frozen(venv) if line.split("==")[0].lower().replace("_", "-") not in listed]
+    listed = {name(line) for line in pinned(lock.read_text())}
+    extra = [line.split("==")[0] for line in frozen(venv) if name(line) not in listed]
     if extra:
         print(f"removing what {lock} no longer lists: {' '.join(extra)}")
         subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *extra], check=True)
