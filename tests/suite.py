@@ -9,14 +9,16 @@ one count over all the test jobs ('tests: N passed, N failed').
 The graph (what each job waits for):
     venv (make setup) | system (apt: prometheus, chromium, docker) | vllm-env       all three at once
     lint, skyrl-env, images (engine + base image + CPU images)                       once venv (and system) are in
-    tests: every test but the container ones, one at a time                        once lint, system, vllm-env are
-    skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env and tests are
-    container-tests: the stack in real containers (conftest marks them `docker`)   once images and tests are
-The installs wait on the network and the disk and the image build mostly writes to disk, so they run beside the
-tests. Beside the main test run a second test stream did not pay on 2 cores: two trainer runs side by side each
-took two to four times as long, and Ray and vLLM start-ups timed out under that load. SkyRL's checks and the
-container tests, after it, go side by side: each leaves about a third of the cores idle (waiting on Ray, vLLM and
-the containers' start-ups), and their start-ups wait minutes, not seconds.
+    tests-<group>: the main run in groups of whole modules (GROUPS)                 once lint and system are in (and
+                                                                                     vllm-env for the vLLM groups)
+    skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env is in
+    container-tests: the stack in real containers (conftest marks them `docker`)   once the images are built
+Test jobs take one of two slots, in the order `jobs` lists them (the longest first): one while an install or the
+image build runs, which waits on the network and the disk and takes the other core, then two. One test stream
+leaves a third of the cores idle (each trainer, server or engine start-up is mostly one busy process: the main run
+alone kept 2 cores 66% busy), and two trainer runs side by side took 33 s where one after the other took 46 s. A
+group is a pytest process of its own: its session fixtures (the tiny model, 4 s; a local S3) are built again, so
+the modules sharing a costly fixture stay in one group.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Job:
     name: str
     command: list[str]
     after: list[str] = field(default_factory=list)
-    tests: bool = False  # a pytest run: its log is printed whole, its junit counts summed
+    tests: bool = False  # a pytest run: its log is printed whole, its junit counts summed; takes a slot
     background: bool = False  # a service held for the other jobs (the Docker engine): stopped at the end
     ready: str = ""  # for a background job: the line its log holds once it serves
     started: float = 0.0
@@ -69,6 +71,39 @@ def make(name: str, target: str, after: tuple[str, ...] = ()) -> Job:
     return Job(name, ["make", "--no-print-directory", target], list(after))
 
 
+# The main run's groups, longest first (seconds alone on the faster kind). A module in no group runs in the last one,
+# so a new test module is never left out. The vLLM groups wait for .venv-vllm; the others start without it.
+GROUPS = {
+    "trainer": ["test_trainer"],  # 264 s: the session's Ray head serves only these
+    "vllm-server": ["test_server_vllm"],  # 208 s
+    "services": ["test_evaluator", "test_server", "test_server_hostile", "test_hostile_input", "test_exporter",
+                 "test_bad_input", "test_storage"],  # 233 s: `server` and the exported run's fixtures
+    "cluster": ["test_submit", "test_dashboards", "test_run_lock", "test_containers", "test_gpu_image",
+                "test_deploy", "test_skyrl_backend"],  # 191 s
+    "vllm-rollout": ["test_rollout_vllm"],  # 101 s
+}
+VLLM_GROUPS = {"vllm-server", "vllm-rollout"}
+
+
+def selects_paths(pytest_args: list[str]) -> bool:
+    """Whether ARGS name test files or ids themselves (then the main run is one job over what they name)."""
+    return any((REPO / arg.split("::")[0]).exists() for arg in pytest_args if not arg.startswith("-"))
+
+
+def main_run(pytest_args: list[str]) -> list[Job]:
+    needs = ["lint", "system"]
+    if selects_paths(pytest_args):
+        return [pytest_job("tests", PY, ["-m", "not docker", *pytest_args], [*needs, "vllm-env"], workers=1)]
+    grouped = {module for modules in GROUPS.values() for module in modules}
+    rest = sorted(path.stem for path in (REPO / "tests").glob("test_*.py") if path.stem not in grouped)
+    plan = []
+    for name, modules in [*GROUPS.items(), ("rest", rest)]:
+        files = [f"tests/{module}.py" for module in modules]
+        after = [*needs, "vllm-env"] if name in VLLM_GROUPS else needs
+        plan.append(pytest_job(f"tests-{name}", PY, [*files, "-m", "not docker", *pytest_args], after, workers=1))
+    return plan
+
+
 def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
     if fast:
         return [make("venv", "setup"), make("lint", "lint", ("venv",)),
@@ -80,6 +115,7 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
     # quarter of a process's CPU weight in the engine.
     images = (f"if docker info >/dev/null 2>&1; then nice -n 10 bash docker/base-image.sh && "
               f"nice -n 10 {PY} docker/build.py --yield-cpu; fi")
+    main = main_run(pytest_args)
     return [
         make("venv", "setup"),
         make("system", "system-deps"),
@@ -88,15 +124,13 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
         make("skyrl-env", "skyrl-env", ("venv",)),
         Job("engine", engine, ["system"], background=True, ready="engine-ready"),
         Job("images", ["bash", "-c", images], ["venv", "engine"]),
-        # One worker: most of these start Ray, servers and engines, each of which wants both cores, and the second
-        # core serves the other stream (installs, images, the container and SkyRL tests).
-        pytest_job("tests", PY, ["-m", "not docker", *pytest_args], ["lint", "system", "vllm-env"], workers=1),
-        # The other test runs wait for the first: beside it, a Ray or vLLM start-up in a second test stream timed out
-        # (seen three times on the slow machines); the installs and the image build are what overlaps it. The two
-        # then run side by side (the docstring says why).
-        pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args],
-                   ["skyrl-env", "tests"], workers=1),
-        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images", "tests"], workers=1),
+        # The test jobs in the order they take a free slot: the longest first, so the last to end is a short one.
+        *main[:3],
+        pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args], ["skyrl-env"],
+                   workers=1),
+        *main[3:5],
+        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images"], workers=1),
+        *main[5:],
     ]
 
 
@@ -136,6 +170,12 @@ class Runner:
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         self.say(f"start {job.name}: {' '.join(job.command)}")
 
+    @staticmethod
+    def slot_free(running: list[Job]) -> bool:
+        """A test job may start: none is running, or a second while no install or image build is."""
+        tests = sum(job.tests for job in running)
+        return tests == 0 or (tests == 1 and all(job.tests or job.background for job in running))
+
     def ready(self, job: Job) -> bool:
         """A background job counts as done once its log holds its ready line."""
         return job.process.poll() is None and job.ready in job.log.read_text(errors="replace")
@@ -163,7 +203,7 @@ class Runner:
                     pending.remove(job)  # a job it needs failed: never started
                     job.code = -1
                     self.say(f"{job.name} not started: {', '.join(d.name for d in waits if d.code)} failed")
-                elif all(dep.code == 0 for dep in waits):
+                elif all(dep.code == 0 for dep in waits) and (not job.tests or self.slot_free(running)):
                     pending.remove(job)
                     self.start(job)
                     running.append(job)
