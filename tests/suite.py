@@ -46,6 +46,7 @@ class Job:
     tests: bool = False  # a pytest run: its log is printed whole, its junit counts summed; takes a slot
     background: bool = False  # a service held for the other jobs (the Docker engine): stopped at the end
     ready: str = ""  # for a background job: the line its log holds once it serves
+    env: dict = field(default_factory=dict)  # set for this job's processes on top of the suite's environment
     started: float = 0.0
     ended: float = 0.0
     process: subprocess.Popen | None = None
@@ -60,10 +61,17 @@ class Job:
         return LOGS / f"{self.name}.xml"
 
 
+# One thread per process in the test jobs (torch's, and vLLM's engine unpinned from the cores): two test streams
+# share 2 cores, and a process whose threads wait on each other at every op stalls as soon as another takes a core.
+# Beside the image build and a second stream, the transfer test took 441 s with two threads, against 87 s alone;
+# alone, one thread took 110 s with 23% less CPU (docs/experiments.md).
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
 def pytest_job(name: str, python: str, selection: list[str], after: list[str], workers: int) -> Job:
     parallel = ["-n", str(workers), "--dist", "loadgroup"] if workers > 1 else []
     command = [python, "-m", "pytest", *selection, *parallel, "--durations=12", f"--junitxml={LOGS / f'{name}.xml'}"]
-    return Job(name, command, after, tests=True)
+    return Job(name, command, after, tests=True, env=ONE_THREAD)
 
 
 def make(name: str, target: str, after: tuple[str, ...] = ()) -> Job:
@@ -166,7 +174,7 @@ class Runner:
     def start(self, job: Job) -> None:
         job.started = self.now()
         handle = open(job.log, "w")
-        job.process = subprocess.Popen(job.command, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT,
+        job.process = subprocess.Popen(job.command, cwd=REPO, env={**self.env, **job.env}, stdout=handle, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         self.say(f"start {job.name}: {' '.join(job.command)}")
 

@@ -139,8 +139,9 @@ class Trainer:
         self._record_settings(step, changes)
         self.tracker = Tracker(cfg, self.run_dir, step, replay=self._truncate_metrics(step))
         self._start_ray()
-        # The workers share this machine's cores (on a cluster each gets its own node's).
-        threads = max(1, (os.cpu_count() or 1) // cfg.rollout.num_workers)
+        # The workers share this machine's cores (on a cluster each gets its own node's), each at most as many threads
+        # as this process (torch's count: OMP_NUM_THREADS where set).
+        threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // cfg.rollout.num_workers))
         self.workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir), threads)
                         for _ in range(cfg.rollout.num_workers)]
         # Evaluations play a merged copy of the policy (its LoRA folded into the weights): PEFT's speed is not needed.
