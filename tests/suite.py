@@ -13,7 +13,7 @@ The graph (what each job waits for):
                                                                                      vllm-env for the vLLM groups)
     skyrl-checks: SkyRL's own code against ours (.venv-skyrl)                       once skyrl-env is in
     container-tests: the stack in real containers (conftest marks them `docker`)   once the images are built
-Test jobs take one of two slots, in the order `jobs` lists them (the longest first): one while an install or the
+Test jobs take one of two slots, in the order ORDER gives (the longest first): one while an install or the
 image build runs, which waits on the network and the disk and takes the other core, then two. One test stream
 leaves a third of the cores idle (each trainer, server or engine start-up is mostly one busy process: the main run
 alone kept 2 cores 66% busy), and two trainer runs side by side took 33 s where one after the other took 46 s. A
@@ -79,8 +79,8 @@ def make(name: str, target: str, after: tuple[str, ...] = ()) -> Job:
     return Job(name, ["make", "--no-print-directory", target], list(after))
 
 
-# The main run's groups, longest first (seconds alone on the faster kind). A module in no group runs in the last one,
-# so a new test module is never left out. The vLLM groups wait for .venv-vllm; the others start without it.
+# The main run's groups (the seconds each took in 859c345's one-stream run, faster kind). A module in no group runs
+# in `tests-rest`, so a new test module is never left out. The vLLM groups wait for .venv-vllm; the others do not.
 GROUPS = {
     "trainer": ["test_trainer"],  # 264 s: the session's Ray head serves only these
     "vllm-server": ["test_server_vllm"],  # 208 s
@@ -91,6 +91,9 @@ GROUPS = {
     "vllm-rollout": ["test_rollout_vllm"],  # 101 s
 }
 VLLM_GROUPS = {"vllm-server", "vllm-rollout"}
+# The order in which test jobs take a free slot: the longest first, so the last to end is a short one.
+ORDER = ["tests-trainer", "tests-vllm-server", "tests-services", "skyrl-checks", "tests-cluster", "tests-vllm-rollout",
+         "container-tests", "tests-rest"]
 
 
 def selects_paths(pytest_args: list[str]) -> bool:
@@ -123,7 +126,11 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
     # quarter of a process's CPU weight in the engine.
     images = (f"if docker info >/dev/null 2>&1; then nice -n 10 bash docker/base-image.sh && "
               f"nice -n 10 {PY} docker/build.py --yield-cpu; fi")
-    main = main_run(pytest_args)
+    tests = [*main_run(pytest_args),
+             pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args], ["skyrl-env"],
+                        workers=1),
+             pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images"], workers=1)]
+    tests.sort(key=lambda job: ORDER.index(job.name) if job.name in ORDER else -1)
     return [
         make("venv", "setup"),
         make("system", "system-deps"),
@@ -132,13 +139,7 @@ def jobs(fast: bool, pytest_args: list[str]) -> list[Job]:
         make("skyrl-env", "skyrl-env", ("venv",)),
         Job("engine", engine, ["system"], background=True, ready="engine-ready"),
         Job("images", ["bash", "-c", images], ["venv", "engine"]),
-        # The test jobs in the order they take a free slot: the longest first, so the last to end is a short one.
-        *main[:3],
-        pytest_job("skyrl-checks", ".venv-skyrl/bin/python", ["tests/skyrl_checks", *pytest_args], ["skyrl-env"],
-                   workers=1),
-        *main[3:5],
-        pytest_job("container-tests", PY, ["-m", "docker", *pytest_args], ["images"], workers=1),
-        *main[5:],
+        *tests,
     ]
 
 
@@ -174,8 +175,8 @@ class Runner:
     def start(self, job: Job) -> None:
         job.started = self.now()
         handle = open(job.log, "w")
-        job.process = subprocess.Popen(job.command, cwd=REPO, env={**self.env, **job.env}, stdout=handle, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        job.process = subprocess.Popen(job.command, cwd=REPO, env={**self.env, **job.env}, stdout=handle,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.say(f"start {job.name}: {' '.join(job.command)}")
 
     @staticmethod
