@@ -27,7 +27,7 @@ from shared.evaluation.plots import plot_solve_rate
 from shared.evaluation.skyrl import skyrl_eval_metrics
 from shared.machine import machine_info
 from shared.maze.dataset import EvalSet, parse_seeds
-from shared.models import ModelLoadError
+from shared.models import ModelLoadError, check_adapter_dir, check_model_dir
 from shared.storage.files import append_jsonl, atomic_write_json, read_jsonl
 from shared.storage.ids import check_run_id
 from shared.storage.manifest import sha256_file
@@ -116,6 +116,9 @@ def eval_folder(value: str) -> Path:
 
 def eval_local(cfg: RunConfig, eval_set: EvalSet, model_dir: Path, adapter_dir: Path | None, out: Path, gifs=True,
                settings: EpisodeSettings | None = None, samples: int = 1) -> dict:
+    check_model_dir(model_dir)  # before torch's import: a wrong path answers at once
+    if adapter_dir:
+        check_adapter_dir(adapter_dir)
     from shared.models.inference import LocalEngine  # torch: imported once a model is to be run
 
     engine = LocalEngine.from_config(cfg, model_dir, adapter_dir)

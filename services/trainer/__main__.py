@@ -119,7 +119,7 @@ def train(cfg, args, argv: list[str]) -> None:
     from services.trainer import skyrl_backend
     from services.trainer.run_lock import RunLock, RunLocked
     from shared.logs import log_to_file, stop_logging_to
-    from shared.models.loading import ModelLoadError
+    from shared.models import ModelLoadError, check_model_dir
     from shared.storage.files import DamagedFile
     from shared.storage.volume import SharedVolume
 
@@ -132,6 +132,8 @@ def train(cfg, args, argv: list[str]) -> None:
             elif cfg.backend == "skyrl":
                 skyrl_backend.run(cfg)
             else:
+                if cfg.model.bootstrap == "none":  # the model is the user's folder: checked before torch's import
+                    check_model_dir(SharedVolume(cfg.shared_path()).model(cfg.model.path))
                 from services.trainer.algorithm import TrainingStopped
                 from services.trainer.grpo import Trainer
 

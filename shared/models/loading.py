@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from shared.models import ModelLoadError
+from shared.models import ModelLoadError, check_adapter_dir, check_model_dir
 from shared.storage.manifest import ManifestError, verify_manifest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -19,14 +19,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
     """Returns (model, processor) from an HF checkpoint folder; ModelLoadError says what is wrong."""
+    model_dir = check_model_dir(model_dir)
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").exists():
-        raise ModelLoadError(
-            f"no model at {model_dir} (config.json missing): build it with `make tiny-model`/`make sft`, "
-            "or point model.path at an HF checkpoint on the shared volume"
-        )
     if (model_dir / "manifest.json").exists():
         try:
             verify_manifest(model_dir)
@@ -50,11 +45,9 @@ def attach_adapter(model, adapter_dir: str | Path, trainable: bool = False):
     """Returns the model wrapped with the LoRA adapter in adapter_dir (validated first)."""
     from peft import PeftModel
 
-    adapter_dir = Path(adapter_dir)
+    adapter_dir = check_adapter_dir(adapter_dir)
     config_path = adapter_dir / "adapter_config.json"
     weights_path = adapter_dir / "adapter_model.safetensors"
-    if not config_path.exists() or not weights_path.exists():
-        raise ModelLoadError(f"no LoRA adapter at {adapter_dir}: expected adapter_config.json and adapter_model.safetensors")
     try:
         json.loads(config_path.read_text())
         from safetensors import safe_open
