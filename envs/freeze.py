@@ -5,7 +5,7 @@
 
 The project itself (installed editable) and flash-attn (built from its sources by the Makefile at its own pin) are
 left out; the file starts with a header saying how it was made. The Makefile installs each venv from its lock with
-`pip install --no-deps -r`, so a fresh machine builds exactly the versions the commit was tested with, and
+`uv pip install --no-deps -r` (envs/uv_pip.py), so a fresh machine builds exactly the versions the commit was tested with, and
 tests/test_locks.py (tests/skyrl_checks/test_skyrl_lock.py for .venv-skyrl) checks that the venvs match their locks.
 """
 
@@ -56,8 +56,8 @@ def main(argv: list[str]) -> None:
     if pruning:
         return prune(venv, lock)
     header = (f"# The exact versions of {lock.stem}'s venv, written by `make lock` (envs/freeze.py) from a fresh,\n"
-              "# unconstrained install of pyproject.toml; the Makefile installs exactly these (pip --no-deps -r). Edit pyproject.toml,\n"
-              "# then run `make lock`, never this file.\n")
+              "# unconstrained install of pyproject.toml; the Makefile installs exactly these (uv pip install --no-deps -r).\n"
+              "# Edit pyproject.toml, then run `make lock`, never this file.\n")
     lock.parent.mkdir(parents=True, exist_ok=True)
     lines = frozen(venv)
     lock.write_text(header + "".join(line + "\n" for line in lines))

@@ -10,6 +10,7 @@ environment uses of torchvision (the Qwen3-VL processor's Python transforms) nee
     python envs/vllm-cpu/patch_torchvision.py .venv-vllm/bin/python
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,11 @@ def main() -> None:
                      "pinned one? Re-check the guard by hand before changing the pin.")
         text = text.replace(plain, guarded)
     if text != original:
-        path.write_text(text)
+        # A new file renamed over the old one: the venv's copy may be a hard link into uv's cache, shared with
+        # other venvs, which must keep the original.
+        staged = path.with_name(path.name + ".patched")
+        staged.write_text(text)
+        os.replace(staged, path)
         print(f"guarded {', '.join(OPS)} in {path}")
 
 
