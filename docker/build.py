@@ -163,7 +163,7 @@ def write_constraints() -> str:
     mismatches = venv_mismatches()
     if mismatches:
         return (f"no versions pinned: this venv does not match pyproject.toml ({mismatches[0]}; `make setup` "
-                "rebuilds it); pip resolves pyproject.toml's ranges in the images")
+                "rebuilds it); uv resolves pyproject.toml's ranges in the images")
     proc = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True)
     # torch is the Dockerfile's own pin (a CPU build); pip's own tools stay as the base image has them.
     skip = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-[\w-]+|pip|setuptools|wheel)==", re.IGNORECASE)

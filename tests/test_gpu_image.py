@@ -49,6 +49,8 @@ def test_dockerfile_installs_exactly_the_resolved_requirements():
     uv_version = re.search(r"ARG UV_VERSION=(\S+)", DOCKERFILE.read_text()).group(1)
     dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
     assert f"uv=={uv_version}" in dev, "the test resolves with the image's uv"
+    cpu_images = re.search(r"ARG UV_VERSION=(\S+)", (REPO / "docker" / "Dockerfile").read_text()).group(1)
+    assert cpu_images == uv_version, "the CPU images, the GPU image and the venvs install with one uv"
     indexes = re.search(r'ARG GPU_WHEEL_INDEXES="([^"]+)"', DOCKERFILE.read_text()).group(1).split()
     assert any("astral" in i for i in indexes) and any("flashinfer" in i for i in indexes)
 
