@@ -63,7 +63,7 @@ endif
 # uv's own binary, from PyPI (or this machine's pip sources) by pip; installed aside and renamed into place, so two
 # installs started at once (make test builds .venv and .venv-vllm side by side) leave one whole copy.
 $(UV):
-	@tmp=$$(mktemp -d .uv-tmp.XXXXXX) && $(PYTHON) -m pip install $(PIP_FLAGS) --target $$tmp 'uv==$(UV_VERSION)' \
+	@tmp=$$(mktemp -d .uv-tmp.XXXXXX) && chmod 755 $$tmp && $(PYTHON) -m pip install $(PIP_FLAGS) --target $$tmp 'uv==$(UV_VERSION)' \
 	  && mkdir -p .uv && { mv -T $$tmp $(UV_HOME) 2>/dev/null || rm -rf $$tmp; } \
 	  && test -x $(UV)
 

@@ -199,7 +199,7 @@ def job_spec(cfg: RunConfig, config_path: str, overrides: list[str], preflight: 
         command = ["env", *(f"{k}={v}" for k, v in driver_env.items()), *command]
     runtime_env = {
         "working_dir": str(REPO_ROOT),
-        "excludes": [".venv*", ".shared", ".git", ".cache", "**/__pycache__", ".pytest_cache", ".hypothesis",
+        "excludes": [".venv*", ".uv*", ".shared", ".git", ".cache", "**/__pycache__", ".pytest_cache", ".hypothesis",
                      "bench/results.md"],
         "env_vars": env_vars,
     }
