@@ -53,10 +53,14 @@ def uv_arguments(settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] in ("-h", "--help"):
+    if argv[:1] in (["-h"], ["--help"]):
         print(__doc__.strip())
-        sys.exit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+        return
+    if len(argv) < 2:
+        sys.exit("usage: python envs/uv_pip.py UV_BINARY [uv pip install arguments] (--help says more)")
     uv, rest = argv[0], argv[1:]
+    if not os.access(uv, os.X_OK):
+        sys.exit(f"error: {uv} is not an executable uv binary (`make setup` puts the main lock's pin in .uv/VERSION/bin/uv)")
     flags, env = uv_arguments(pip_settings())
     command = [uv, "pip", "install", *flags, *rest]
     print("+ " + shlex.join(["uv", "pip", "install", *flags, *rest]), flush=True)
