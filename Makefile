@@ -63,9 +63,11 @@ endif
 # uv's own binary, from PyPI (or this machine's pip sources) by pip; installed aside and renamed into place, so two
 # installs started at once (make test builds .venv and .venv-vllm side by side) leave one whole copy.
 $(UV):
-	@tmp=$$(mktemp -d .uv-tmp.XXXXXX) && chmod 755 $$tmp && $(PYTHON) -m pip install $(PIP_FLAGS) --target $$tmp 'uv==$(UV_VERSION)' \
+	@tmp=$$(mktemp -d .uv-tmp.XXXXXX) && chmod 755 $$tmp \
+	  && { PIP_REQUIRE_VIRTUALENV=0 $(PYTHON) -m pip install $(PIP_FLAGS) --target $$tmp 'uv==$(UV_VERSION)' \
+	       || { rm -rf $$tmp; echo "error: pip could not install uv==$(UV_VERSION) (above); make needs it for the venvs"; exit 1; }; } \
 	  && mkdir -p .uv && { mv -T $$tmp $(UV_HOME) 2>/dev/null || rm -rf $$tmp; } \
-	  && test -x $(UV)
+	  && { test -x $(UV) || { echo "error: $(UV) is missing after its install"; exit 1; }; }
 
 setup: $(STAMP) ## Create .venv (Python 3.11) with pinned torch and the project with every extra (idempotent)
 

@@ -1,13 +1,18 @@
-"""envs/: identical files become one copy on disk (link_duplicates.py); where the vLLM venv takes its torch from."""
+"""envs/: identical files become one copy on disk (link_duplicates.py); where the vLLM venv takes its torch from; pip's
+settings reach uv (uv_pip.py)."""
 
 import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("link_duplicates", ROOT / "envs" / "link_duplicates.py")
 link_duplicates = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(link_duplicates)
+uv_spec = importlib.util.spec_from_file_location("uv_pip", ROOT / "envs" / "uv_pip.py")
+uv_pip = importlib.util.module_from_spec(uv_spec)
+uv_spec.loader.exec_module(uv_pip)
 
 
 def write(path: Path, data: bytes) -> Path:
@@ -51,3 +56,34 @@ def test_the_vllm_venvs_torch_comes_from_pytorchs_cpu_index_on_githubs_runners()
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in _vllm_install_line(GITHUB_ACTIONS="true")
     assert "--extra-index-url" not in _vllm_install_line(GITHUB_ACTIONS="")
     assert "make test" in (ROOT / ".ci" / "run").read_text() and "bash .ci/run" in (ROOT / ".github" / "workflows" / "ci.yml").read_text()
+
+
+
+def test_pips_settings_reach_uv_as_pip_reads_them(tmp_path, monkeypatch):
+    """Read by pip itself (`pip config list`): several indexes on several lines, [install] over [global], another
+    command's section left out, a PIP_* variable over the files, a proxy only where the environment has none."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nextra-index-url =\n    https://a.example/simple\n    https://b.example/simple\n"
+                    "index-url = https://global.example/simple\ntimeout = 60.5\nproxy = http://proxy.example:3128\n"
+                    "[install]\nindex-url = https://install.example/simple\n"
+                    "[wheel]\nfind-links = /elsewhere\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    monkeypatch.setenv("PIP_DEFAULT_TIMEOUT", "42")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    settings = uv_pip.pip_settings()
+    flags, env = uv_pip.uv_arguments(settings)
+    pairs = list(zip(flags[::2], flags[1::2]))
+    assert ("--extra-index-url", "https://a.example/simple") in pairs and ("--extra-index-url", "https://b.example/simple") in pairs
+    assert ("--index-url", "https://install.example/simple") in pairs and ("--index-url", "https://global.example/simple") not in pairs
+    assert ("--find-links", "/elsewhere") not in pairs and ("--index-strategy", "unsafe-best-match") in pairs
+    assert env["UV_HTTP_TIMEOUT"] == "42" and env["HTTPS_PROXY"] == "http://proxy.example:3128"
+    monkeypatch.setenv("https_proxy", "http://mine.example:8080")
+    assert "HTTPS_PROXY" not in uv_pip.uv_arguments(settings)[1]
+
+
+def test_uv_pip_says_what_is_missing_in_one_line(tmp_path):
+    for args, words in (([], "usage: python envs/uv_pip.py UV_BINARY"), ([str(tmp_path / "uv"), "-r", "x"], "not an executable uv")):
+        proc = subprocess.run([sys.executable, str(ROOT / "envs" / "uv_pip.py"), *args], capture_output=True, text=True)
+        assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
