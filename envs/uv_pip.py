@@ -22,7 +22,7 @@ import sys
 # the environment names none).
 FLAGS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
          "constraint": "--constraint", "trusted-host": "--allow-insecure-host"}
-ENV = {"cert": "SSL_CERT_FILE", "client-cert": "SSL_CLIENT_CERT", "timeout": "UV_HTTP_TIMEOUT"}
+ENV = {"cert": "SSL_CERT_FILE", "client-cert": "SSL_CLIENT_CERT"}  # timeout: UV_HTTP_TIMEOUT, whole seconds
 PROXY = ("HTTPS_PROXY", "HTTP_PROXY")
 ALIASES = {"default-timeout": "timeout"}  # one pip option, two spellings
 # pip's precedence, lowest first: a file's [global] section, its [install] section, then PIP_* variables. Other
