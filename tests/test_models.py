@@ -188,6 +188,28 @@ def test_shared_decoder_gives_transformers_generate_replies(tiny):
     assert plays[0] == plays[1]
 
 
+def test_scored_replies_are_the_training_forwards_log_probabilities(tiny):
+    """`score_replies` (the decision probes' teacher-forced score, one forward over every candidate's tokens) against
+    the sum of the reply tokens' log-probabilities the training forward gives the same context + reply + end of turn,
+    for replies of different lengths and a context asked twice."""
+    from shared.models.training import reply_sample
+
+    model, processor = tiny
+    engine = LocalEngine(model, processor, max_images_in_context=1)
+    convs = [_conversation(1), _conversation(2), _conversation(1)]
+    candidates = [["('move', 0)", "stop", "('move', 3) and then some more words"]] * len(convs)
+    scores = engine.score_replies(convs, candidates)
+    for conversation, options, got in zip(convs, candidates, scores):
+        samples = [reply_sample(processor, conversation, reply, engine.max_images, engine.context_turns)
+                   for reply in options]
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(model, collate(processor, samples))
+        mask = collate(processor, samples)["response_mask"]
+        expected = (logprobs * mask).sum(dim=1)
+        assert torch.allclose(torch.tensor(got), expected, atol=1e-4), (got, expected)
+    assert scores[0] == scores[2]
+
+
 def test_shared_decoder_computes_each_distinct_state_once(tiny):
     model, processor = tiny
     engine = LocalEngine(model, processor, max_images_in_context=1)

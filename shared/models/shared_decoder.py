@@ -247,8 +247,9 @@ class SharedStateDecoder:
     @torch.inference_mode()
     def score(self, prompts: list[tuple[str, list]], candidates: list[list[str]]) -> list[list[float]]:
         """Returns, per prompt (text, pictures), the log-probability (temperature 1) of each of its candidate replies,
-        end of turn included. Each distinct prompt is prefilled once; its candidates are then decoded side by side,
-        one row each."""
+        end of turn included. Each distinct prompt is prefilled once; its candidates are then read side by side, one
+        row each, in one forward over all their tokens (teacher-forced: a reply's tokens are known, so nothing is
+        decoded one token at a time; each step would copy the whole cache once more)."""
         tokenizer = self.processor.tokenizer
         end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
         count = len(candidates[0])
@@ -272,14 +273,15 @@ class SharedStateDecoder:
         for i, ids in enumerate(rows):
             tokens[i, : len(ids)] = torch.tensor(ids, device=device)
             valid[i, : len(ids)] = 1
-        total = torch.zeros(len(rows), device=device)
-        for j in range(width):
-            total += torch.log_softmax(current, dim=-1).gather(1, tokens[:, j : j + 1]).squeeze(1) * valid[:, j]
-            if j == width - 1:
-                break
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            out = self.model(input_ids=tokens[:, j : j + 1], attention_mask=attention,
-                             position_ids=(next_position + j)[:, :, None], past_key_values=cache, use_cache=True)
-            current = out.logits[:, -1].float()
-        scores = total.view(len(distinct), count).tolist()
+        # Token j's log-probability: from the prompt's last logits for j = 0, from the reply's token j - 1 after.
+        # The padding after a short reply comes after its tokens, so causal attention keeps it out of their scores.
+        following = current[:, None]
+        if width > 1:
+            attention = torch.cat([attention, torch.ones_like(tokens[:, :-1])], dim=1)
+            positions = next_position[:, :, None] + torch.arange(width - 1, device=device)
+            out = self.model(input_ids=tokens[:, :-1], attention_mask=attention, position_ids=positions,
+                             past_key_values=cache, use_cache=True)
+            following = torch.cat([following, out.logits.float()], dim=1)
+        per_token = torch.log_softmax(following, dim=-1).gather(2, tokens[:, :, None]).squeeze(2)
+        scores = (per_token * valid).sum(dim=1).view(len(distinct), count).tolist()
         return [scores[s] for s in state]
