@@ -58,7 +58,6 @@ def test_the_vllm_venvs_torch_comes_from_pytorchs_cpu_index_on_githubs_runners()
     assert "make test" in (ROOT / ".ci" / "run").read_text() and "bash .ci/run" in (ROOT / ".github" / "workflows" / "ci.yml").read_text()
 
 
-
 def test_pips_settings_reach_uv_as_pip_reads_them(tmp_path, monkeypatch):
     """Read by pip itself (`pip config list`): several indexes on several lines, [install] over [global], another
     command's section left out, a PIP_* variable over the files, a proxy only where the environment has none."""

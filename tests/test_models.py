@@ -202,10 +202,10 @@ def test_scored_replies_are_the_training_forwards_log_probabilities(tiny):
     for conversation, options, got in zip(convs, candidates, scores):
         samples = [reply_sample(processor, conversation, reply, engine.max_images, engine.context_turns)
                    for reply in options]
+        batch = collate(processor, samples)
         with torch.no_grad():
-            logprobs, _ = token_logprobs(model, collate(processor, samples))
-        mask = collate(processor, samples)["response_mask"]
-        expected = (logprobs * mask).sum(dim=1)
+            logprobs, _ = token_logprobs(model, batch)
+        expected = (logprobs * batch["response_mask"]).sum(dim=1)
         assert torch.allclose(torch.tensor(got), expected, atol=1e-4), (got, expected)
     assert scores[0] == scores[2]
 
