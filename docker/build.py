@@ -130,21 +130,38 @@ def fill_wheelhouse(torch_pins: list[str]) -> None:
         print(f"{' '.join(torch_pins)}: not in this host's pip sources; the images take them from the CPU index")
 
 
-def venv_mismatches() -> list[str]:
-    """Returns the pyproject.toml requirements this venv does not satisfy (empty when `make setup` made it)."""
+def image_extras() -> list[str]:
+    """Returns the extras docker/Dockerfile installs (its `".[trainer,evaluator,server]"`-style arguments), in order."""
+    found = re.findall(r'"\.\[([\w,-]+)\]"', DOCKERFILE.read_text())
+    if not found:
+        raise BuildError("docker/Dockerfile installs no `.[extras]` of the project: nothing to pin")
+    return list(dict.fromkeys(extra for group in found for extra in group.split(",")))
+
+
+def venv_mismatches(extras: list[str]) -> list[str]:
+    """Returns the requirements of the project with `extras` this venv does not satisfy (empty when `make setup` made
+    it). A self-reference (maze-grpo[models]) brings that extra's requirements in."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = project["dependencies"] + [r for extra, reqs in project["optional-dependencies"].items()
-                                        if extra != "gpu" for r in reqs]
+    wanted, todo, seen = list(project["dependencies"]), list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for line in project["optional-dependencies"][extra]:
+            requirement = Requirement(line)
+            if requirement.name == project["name"]:
+                todo.extend(requirement.extras)
+            else:
+                wanted.append(line)
     problems = []
     for line in wanted:
         requirement = Requirement(line)
-        if requirement.name == project["name"]:
-            continue
         try:
             have = installed(requirement.name)
         except PackageNotFoundError:
@@ -160,7 +177,7 @@ def write_constraints() -> str:
     Returns a line saying what was pinned; the file stays empty when the venv does not match pyproject.toml."""
     target = ROOT / "docker" / "wheels" / "constraints.txt"
     target.write_text("")
-    mismatches = venv_mismatches()
+    mismatches = venv_mismatches(image_extras())
     if mismatches:
         return (f"no versions pinned: this venv does not match pyproject.toml ({mismatches[0]}; `make setup` "
                 "rebuilds it); uv resolves pyproject.toml's ranges in the images")

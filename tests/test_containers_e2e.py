@@ -216,15 +216,31 @@ def test_images_are_labelled_tagged_non_root_and_clean(images, client):
         assert [i.id for i in client.images.list(name=f"maze-grpo/{name}")] == [image.id], name
     # Nothing of the build or the tests in a service image: no wheels, pip cache, tests or build folders.
     # (Debian's ensurepip wheels and virtualenv's seed wheels are parts of installed packages, not leftovers.)
+    # And every package an image shares with this venv is at the venv's version (torch aside: the images' own CPU pin).
     for name in ("trainer-cpu", "exporter"):
         container = client.containers.run(
             f"maze-grpo/{name}:latest", entrypoint=["sh", "-c"], detach=True, user="0",
             command=["ls -d /tmp/* /root/.cache /home/app/.cache /app/tests /app/build /app/*.egg-info /app/.git "
-                     "/app/README.md /app/docker 2>/dev/null; find /tmp /app /root /home -name '*.whl'; true"])
+                     "/app/README.md /app/docker 2>/dev/null; find /tmp /app /root /home -name '*.whl'; "
+                     "echo FREEZE; python -m pip freeze --exclude-editable; true"])
         container.wait(timeout=60)
-        leftovers = container.logs().decode()
+        leftovers, freeze = container.logs().decode().split("FREEZE\n")
         container.remove(v=True)  # v: the anonymous volume the image's VOLUME /shared made
         assert leftovers.strip() == "", (name, leftovers)
+        pins = dict(line.split("==") for line in freeze.splitlines() if "==" in line)
+        assert len(pins) > 50, (name, freeze[-2000:])
+        drift = {package: (version, _venv_version(package)) for package, version in pins.items()
+                 if package.lower() not in ("torch", "torchvision") and _venv_version(package) not in (None, version)}
+        assert not drift, f"{name}: image version != venv version: {drift}"
+
+
+def _venv_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 # ---- bad input: one clear line, nothing half-started ---------------------------------------------
