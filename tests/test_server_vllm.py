@@ -38,10 +38,17 @@ def _env(shared_dir, s3_endpoint):
             "SERVER_API_KEY": KEY, "RAY_USAGE_STATS_ENABLED": "0", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
 
 
-def _launch(env, overrides, log_path: Path) -> subprocess.Popen:
-    """Starts `python -m services.server --engine vllm` as users do, its output in log_path; returns at once."""
-    return subprocess.Popen([str(VLLM_PY), "-m", "services.server", "--engine", "vllm", *overrides], env=env, cwd=REPO,
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+def _launch(env, overrides, log_path: Path, core: int = -1) -> subprocess.Popen:
+    """Starts `python -m services.server --engine vllm` as users do, its output in log_path; returns at once.
+
+    The server and every process it starts run on one core (`core` indexes this process's cores). Ray Serve LLM runs
+    vLLM's CPU engine with its multiprocessing executor, whose engine core and worker wait for each other by spinning
+    on sched_yield (for a second after each message): on two cores each holds one while the other computes, and the
+    test stream beside this one loses it. On one core the yield hands the core over. Beside the services group, this
+    module took 268 s and the pair 456 CPU-seconds, against 298 s and 568 unpinned (docs/experiments.md)."""
+    pin = ["taskset", "--cpu-list", str(sorted(os.sched_getaffinity(0))[core])]
+    return subprocess.Popen([*pin, str(VLLM_PY), "-m", "services.server", "--engine", "vllm", *overrides], env=env,
+                            cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _start(env, overrides, log_path: Path, timeout_s=480):
@@ -137,7 +144,9 @@ def failing_server(tiny_model_dir, s3_endpoint, shared_dir, tmp_path_factory):
     if BUCKET not in {b["Name"] for b in s3_client(s3_endpoint).list_buckets()["Buckets"]}:
         s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
     log = tmp_path_factory.mktemp("failing") / "server.log"
-    proc = _launch(_env(shared_dir, s3_endpoint), _overrides(tiny_model_dir, _port(), "server.kv_cache_bytes=1048576"), log)
+    # On the first core: the module's server takes the last, so the two start-ups still run side by side.
+    proc = _launch(_env(shared_dir, s3_endpoint), _overrides(tiny_model_dir, _port(), "server.kv_cache_bytes=1048576"), log,
+                   core=0)
     yield proc, log
     _stop(proc)
 
