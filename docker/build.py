@@ -174,7 +174,8 @@ def venv_mismatches(extras: list[str]) -> list[str]:
 def write_constraints() -> str:
     """Writes docker/wheels/constraints.txt from this venv's versions, so the images get what the tests ran with.
 
-    Returns a line saying what was pinned; the file stays empty when the venv does not match pyproject.toml."""
+    Returns a line saying what was pinned; the file stays empty when the venv does not hold the requirements of the
+    extras docker/Dockerfile installs."""
     target = ROOT / "docker" / "wheels" / "constraints.txt"
     target.write_text("")
     mismatches = venv_mismatches(image_extras())

@@ -44,8 +44,9 @@ def _launch(env, overrides, log_path: Path, core: int = -1) -> subprocess.Popen:
     The server and every process it starts run on one core (`core` indexes this process's cores). Ray Serve LLM runs
     vLLM's CPU engine with its multiprocessing executor, whose engine core and worker wait for each other by spinning
     on sched_yield (for a second after each message): on two cores each holds one while the other computes, and the
-    test stream beside this one loses it. On one core the yield hands the core over. Beside the services group, this
-    module took 268 s and the pair 456 CPU-seconds, against 298 s and 568 unpinned (docs/experiments.md)."""
+    test stream beside this one loses it. On one core the yield hands the core over. Started together with the services
+    group, the pair took 445 to 456 CPU-seconds against 515 to 568 unpinned; in the whole suite the gain is inside what
+    machines vary by (docs/experiments.md)."""
     pin = ["taskset", "--cpu-list", str(sorted(os.sched_getaffinity(0))[core])]
     return subprocess.Popen([*pin, str(VLLM_PY), "-m", "services.server", "--engine", "vllm", *overrides], env=env,
                             cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
