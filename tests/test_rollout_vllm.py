@@ -31,12 +31,19 @@ def ray_local():
 
 def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_local, tiny_cfg, tiny_model_dir,
                                                                          exported_run, tmp_path):
+    import ray
+
     from shared.models.vllm_engine import VllmEngine
 
     volume, run_id = exported_run
     exports = {step: volume.export(run_id, step) for step in (2, 4)}
     lora_sync = tmp_path / "lora_sync"
-    engine = VllmEngine(tiny_cfg, tiny_model_dir, num_cpus=0)
+    cfg = tiny_cfg.model_copy(update={"lora": tiny_cfg.lora.model_copy(update={"rank": 4, "alpha": 8})})  # the exports'
+    engine = VllmEngine(cfg, tiny_model_dir, num_cpus=0)
+    # vLLM pads every adapter to its max_lora_rank (one of a few values): the smallest that holds the run's rank, not
+    # the server's 32, since its CPU LoRA kernels cost in proportion to it.
+    padded = engine.actor.__ray_call__.remote(lambda generator: generator.llm.llm_engine.vllm_config.lora_config.max_lora_rank)
+    assert ray.get(padded) == 8
     mazes = [generate("maze_2d/easy", seed) for seed in range(6)]
     settings = EpisodeSettings(max_turns=4, cell_px=tiny_cfg.env.cell_px, temperature=0.0, max_new_tokens=8)
     first_logprobs = {}
@@ -45,7 +52,7 @@ def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_loc
         shutil.copytree(exports[step], lora_sync)
         engine.load_adapter(lora_sync, step)
         remote = run_episodes(engine, mazes, settings)
-        local = run_episodes(LocalEngine.from_config(tiny_cfg, tiny_model_dir, exports[step]), mazes, settings)
+        local = run_episodes(LocalEngine.from_config(cfg, tiny_model_dir, exports[step]), mazes, settings)
         assert not [e.error for e in remote if e.error], [e.error for e in remote][:1]
         assert [[t.text for t in e.turns] for e in remote] == [[t.text for t in e.turns] for e in local]
         assert [e.solved for e in remote] == [e.solved for e in local]

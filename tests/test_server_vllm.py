@@ -72,8 +72,12 @@ def _stop(proc):
 
 
 def _overrides(model_dir, port, *extra):
+    """Small limits, as tests/conftest.py's SERVER_OVERRIDES; and the adapters here are rank 4, so max_lora_rank 8:
+    vLLM pads every adapter to it, and its CPU LoRA kernels' cost grows with it (the 64-maze evaluation through this
+    server took 59-62 s at 8 against 108-110 s at 32, docs/experiments.md)."""
     return [f"model.path={model_dir}", f"model.base_model_id={BASE}", f"server.port={port}", "server.max_image_bytes=200000",
-            "server.max_images_per_request=3", "server.max_request_bytes=1500000", "server.engine_start_tries=1", *extra]
+            "server.max_images_per_request=3", "server.max_request_bytes=1500000", "server.engine_start_tries=1",
+            "server.max_lora_rank=8", *extra]
 
 
 def _export(env, *args):
@@ -169,7 +173,7 @@ def test_an_engine_that_cannot_start_says_why_in_one_line(failing_server, vllm_s
 
 @pytest.fixture(scope="module")
 def wide_adapter(tiny_cfg, tiny_model_dir, tmp_path_factory):
-    """A rank-64 LoRA export of the tiny model (the server takes rank <= 32)."""
+    """A rank-64 LoRA export of the tiny model (this module's server takes rank <= 8)."""
     from services.trainer.rollout import build_policy
 
     model, _ = build_policy(tiny_model_dir, tiny_cfg.lora.model_copy(update={"rank": 64, "alpha": 64}), BASE)
@@ -262,7 +266,7 @@ def test_bad_input_and_engine_failures_get_one_line_and_the_server_stays_up(vllm
         "unknown adapter": (_chat(url, f"{BASE}:nope", "hi"), 404, "'nope' not found"),
         "traversal": (_chat(url, f"{BASE}:../x", "hi"), 400, "'../x' is invalid"),
         "rank in manifest": (_chat(url, f"{BASE}:wide", "hi"), 400, "rank 64"),
-        "rank only the engine sees": (_chat(url, f"{BASE}:wide-unlabelled", "hi"), 500, "LoRA rank 64 is greater than max_lora_rank 32"),
+        "rank only the engine sees": (_chat(url, f"{BASE}:wide-unlabelled", "hi"), 500, "LoRA rank 64 is greater than max_lora_rank 8"),
         "prompt over the context": (_chat(url, BASE, "maze " * 20_000), 400, "maximum context length"),
     }
     for name, (response, status, words) in cases.items():

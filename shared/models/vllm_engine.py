@@ -21,10 +21,26 @@ from shared.models.inference import ChatEngine, Completion, row_seeds
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 
+def padded_lora_rank(rank: int) -> int:
+    """Returns the smallest `max_lora_rank` vLLM accepts (a few fixed values) that holds a rank-`rank` adapter.
+
+    vLLM pads every adapter to max_lora_rank, and its CPU LoRA kernels gather each token's padded weights, so their
+    cost grows with it: a rank-4 adapter under 32 instead of 8 made the GRPO run through vLLM about 20% dearer in CPU
+    (docs/experiments.md). Runs in the vLLM environment."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fitting = [value for value in get_args(MaxLoRARanks) if value >= rank]
+    if not fitting:
+        raise ValueError(f"lora.rank = {rank} is above the largest LoRA rank vLLM serves ({max(get_args(MaxLoRARanks))})")
+    return min(fitting)
+
+
 class VllmGenerator:
     """The part that runs in the vLLM environment: one vLLM `LLM` with LoRA enabled."""
 
-    def __init__(self, model_dir: str, dtype: str, max_lora_rank: int, kv_cache_bytes: int | None, max_model_len: int,
+    def __init__(self, model_dir: str, dtype: str, lora_rank: int, kv_cache_bytes: int | None, max_model_len: int,
                  max_images: int, seed: int = 0):
         from vllm import LLM
 
@@ -32,7 +48,7 @@ class VllmGenerator:
         # No chunked prefill: a prompt split over two engine steps has its first step's sampled token discarded,
         # and vLLM then rewinds that request's generator by an offset, which a CPU generator does not have
         # ("CPU Generator does not use offset"): every seeded request would fail. Whole prompts only, then.
-        self.llm = LLM(model=model_dir, dtype=dtype, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
+        self.llm = LLM(model=model_dir, dtype=dtype, enable_lora=True, max_lora_rank=padded_lora_rank(lora_rank), max_loras=1,
                        max_model_len=max_model_len, limit_mm_per_prompt={"image": max_images}, seed=seed,
                        logprobs_mode="processed_logprobs", enable_chunked_prefill=False,
                        max_num_batched_tokens=max(max_model_len, 8192), distributed_executor_backend="uni", **kwargs)
@@ -90,7 +106,7 @@ class VllmEngine(ChatEngine):
         env_vars = {**loopback_env_for_vllm(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         runtime_env = {"py_executable": str(python), "env_vars": env_vars}
         actor = ray.remote(VllmGenerator).options(num_cpus=num_cpus, runtime_env=runtime_env)
-        self.actor = actor.remote(str(model_dir), cfg.model.dtype, max(cfg.lora.rank, cfg.server.max_lora_rank),
+        self.actor = actor.remote(str(model_dir), cfg.model.dtype, cfg.lora.rank,
                                   cfg.rollout.vllm_kv_cache_bytes, cfg.rollout.vllm_max_model_len,
                                   max(1, self.max_images), cfg.seed)
         self.log_path = ray.get(self.actor.log_path.remote())
