@@ -25,8 +25,8 @@ def padded_lora_rank(rank: int) -> int:
     """Returns the smallest `max_lora_rank` vLLM accepts (a few fixed values) that holds a rank-`rank` adapter.
 
     vLLM pads every adapter to max_lora_rank, and its CPU LoRA kernels gather each token's padded weights, so their
-    cost grows with it: a rank-4 adapter under 32 instead of 8 made the GRPO run through vLLM about 20% dearer in CPU
-    (docs/experiments.md). Runs in the vLLM environment."""
+    cost grows with it: rank-4 adapters under 32 instead of 8 made the rollout tests through vLLM (a GRPO run, the
+    LoRA-sync check) about 20% dearer in CPU (docs/experiments.md). Runs in the vLLM environment."""
     from typing import get_args
 
     from vllm.config.lora import MaxLoRARanks
