@@ -1,10 +1,44 @@
-"""Waiting for a local HTTP service to come up."""
+"""Local ports: choosing a free one, and waiting for a local HTTP service to come up."""
 
 from __future__ import annotations
 
+import random
+import socket
 import time
+from pathlib import Path
 
 import httpx
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """Returns the kernel's ephemeral port range (the ports outgoing connections and bind(0) take)."""
+    try:
+        low, high = (int(part) for part in EPHEMERAL_RANGE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Returns a TCP port free on `host` now, for a server started next to bind.
+
+    Chosen below the ephemeral range: a port from bind(0) lies in that range, where any process's outgoing
+    connection can take it before the server binds it (a Ray head lost its metrics port that way in a `make test`
+    run, beside vLLM and Docker). Falls back to bind(0) when that range starts too low to leave room."""
+    low, _ = ephemeral_ports()
+    if low > 12000:
+        for port in random.SystemRandom().sample(range(10000, low), 50):  # never the seeded global generator
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def wait_for_http(url: str, timeout_s: float = 30.0, status: int | None = 200, alive=None) -> None:

@@ -5,13 +5,14 @@ import ipaddress
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from shared.net import free_port
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -209,12 +210,6 @@ SERVER_BASE = "tiny-qwen3vl-sft"
 SERVER_OVERRIDES = ["server.max_image_bytes=200000", "server.max_images_per_request=3",
                     "server.max_num_adapters_per_replica=1", "server.max_prompt_tokens=1000",
                     "server.max_request_bytes=1500000", "server.adapter_revalidate_s=1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from services.dashboards.provision import DATASOURCE_UID, FOLDER_UID, TRAINING_PANELS, build_dashboards
 from shared.local_ray import stop_ray_started_in
+from shared.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "glsa_test_token"
@@ -188,8 +189,8 @@ def test_dashboard_queries_run_against_real_prometheus_and_ray(tmp_path):
     ray_cli = str(Path(sys.executable).parent / "ray")
     # The dashboard head writes the service-discovery file; everything stays on loopback.
     subprocess.run([ray_cli, "start", "--head", "--port=0", "--num-cpus=1", "--include-dashboard=true",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}", "--node-ip-address=127.0.0.1",
-                    f"--metrics-export-port={_free_port()}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+                    "--dashboard-host=127.0.0.1", f"--dashboard-port={free_port()}", "--node-ip-address=127.0.0.1",
+                    f"--metrics-export-port={free_port()}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
                    check=True, env=env, capture_output=True, cwd=REPO, timeout=120)
     try:
         sd_file = temp_dir / "prom_metrics_service_discovery.json"
@@ -197,7 +198,7 @@ def test_dashboard_queries_run_against_real_prometheus_and_ray(tmp_path):
         while not sd_file.exists() and time.time() < deadline:
             time.sleep(0.5)
         assert sd_file.exists(), "Ray wrote no service-discovery file"
-        url = start_prometheus(tmp_path / "prom", port=_free_port(), sd_file=str(sd_file), interval_s=1)
+        url = start_prometheus(tmp_path / "prom", port=free_port(), sd_file=str(sd_file), interval_s=1)
         # A tiny workload: tasks and an actor, so core metrics move.
         workload = (
             "import ray, time\n"
@@ -249,10 +250,3 @@ def test_dashboard_queries_run_against_real_prometheus_and_ray(tmp_path):
         if pid_file.exists():
             os.kill(int(pid_file.read_text()), 15)
 
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -13,6 +13,7 @@ from request_cases import check, shared_cases
 
 from shared.maze import generate
 from shared.maze.render import data_uri, render_rgb
+from shared.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "test-key-123"  # the server fixture's SERVER_API_KEY (conftest.py)
@@ -179,7 +180,7 @@ def test_no_ray_process_outlives_a_sigkilled_server(tiny_model_dir, s3_endpoint,
     from shared.storage.s3 import s3_client
 
     s3_client(s3_endpoint).create_bucket(Bucket="killed")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "SHARED_DIR": str(tmp_path), "AWS_ENDPOINT_URL": s3_endpoint, "S3_URI": "s3://killed/p",
            "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("SERVER_API_KEY", None)
@@ -210,14 +211,6 @@ def test_no_ray_process_outlives_a_sigkilled_server(tiny_model_dir, s3_endpoint,
                 process.kill()
             except psutil.Error:
                 pass
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_seeded_sample_does_not_depend_on_its_batch_neighbours(server):

@@ -4,7 +4,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from request_cases import check, shared_cases
 
 from shared.maze import generate
 from shared.maze.render import data_uri, render_rgb
+from shared.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
@@ -25,12 +25,6 @@ BASE = "tiny-qwen3vl-sft"
 BUCKET = "vllm-served"
 
 needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm: build it with `make vllm-env`")
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(shared_dir, s3_endpoint):
@@ -150,7 +144,7 @@ def failing_server(tiny_model_dir, s3_endpoint, shared_dir, tmp_path_factory):
         s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
     log = tmp_path_factory.mktemp("failing") / "server.log"
     # On the first core: the module's server takes the last, so the two start-ups still run side by side.
-    proc = _launch(_env(shared_dir, s3_endpoint), _overrides(tiny_model_dir, _port(), "server.kv_cache_bytes=1048576"), log,
+    proc = _launch(_env(shared_dir, s3_endpoint), _overrides(tiny_model_dir, free_port(), "server.kv_cache_bytes=1048576"), log,
                    core=0)
     yield proc, log
     _stop(proc)
@@ -200,7 +194,7 @@ def vllm_server(failing_server, exported_run, tiny_model_dir, s3_endpoint, wide_
     exporter = Exporter(cfg, AdapterStore.from_config(cfg), log=lambda *_: None)
     exporter.publish("wide", wide_adapter, {"rank": 64})
     exporter.publish("wide-unlabelled", wide_adapter, {})
-    port = _port()
+    port = free_port()
     proc, url = _start(env, _overrides(tiny_model_dir, port), tmp_path_factory.mktemp("vllm") / "server.log")
     assert url, "the vLLM server exited"
     yield url, env, run_id

@@ -136,3 +136,21 @@ def test_staging_removes_only_its_own_leftovers(tmp_path):
             assert other.exists() and dotted.exists(), "a neighbour's temporary folder was removed"
             assert (models / "tiny-qwen3vl" / "weights").read_text() == "done"
     assert sorted(p.name for p in models.iterdir()) == ["tiny-qwen3vl", "tiny-qwen3vl-sft", "tiny-qwen3vl.v2"]
+
+
+def test_free_ports_come_from_below_the_ephemeral_range(monkeypatch, tmp_path):
+    """A port from bind(0) lies where outgoing connections take theirs, so a server bound to it later can lose it;
+    free_port chooses below that range, and bindable now."""
+    import socket
+
+    from shared import net
+
+    kernel_range = tmp_path / "ip_local_port_range"
+    kernel_range.write_text("40000\t60999\n")
+    monkeypatch.setattr(net, "EPHEMERAL_RANGE", kernel_range)
+    ports = {net.free_port() for _ in range(20)}
+    assert all(10000 <= port < 40000 for port in ports), sorted(ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", min(ports)))
+    kernel_range.write_text("1024\t65535\n")  # no room below it: the kernel's choice
+    assert net.ephemeral_ports() == (1024, 65535) and 1024 <= net.free_port() <= 65535

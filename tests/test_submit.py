@@ -5,7 +5,6 @@ import importlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import yaml
 from services.trainer.submit import check_cluster, describe_hyperpod
 from shared.config import load_config
 from shared.local_ray import stop_ray_started_in
+from shared.net import free_port
 from shared.storage.manifest import verify_manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,19 +30,13 @@ MINIMAL = ["sft.num_mazes=8", "rollout.train_batch_size=2", "rollout.n_samples_p
            "schedule.ckpt_interval=2", "schedule.hf_save_interval=2", "lora.rank=4", "lora.alpha=8"]
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """One local Ray head (loopback) for the submissions below, as a cluster node is set up: its `python` is the one
     with the project's dependencies, and its environment's SHARED_DIR is the cluster's storage."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    dashboard = _port()
+    dashboard = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     cluster_storage = tmp_path_factory.mktemp("cluster") / "shared"  # the cluster's /shared
@@ -50,7 +44,7 @@ def ray_head(tmp_path_factory):
     subprocess.run([ray_cli, "start", "--head", "--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=2",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}",
                     # its own agent port: the default (52365) may be held by another Ray on this machine
-                    f"--dashboard-agent-listen-port={_port()}", "--disable-usage-stats"], check=True,
+                    f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"], check=True,
                    env={**env, "SHARED_DIR": str(cluster_storage)}, capture_output=True, timeout=180)
     try:
         yield f"http://127.0.0.1:{dashboard}", env, cluster_storage

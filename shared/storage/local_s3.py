@@ -19,18 +19,12 @@ from pathlib import Path
 
 import httpx
 
-from shared.net import wait_for_http
+from shared.net import free_port, wait_for_http
 from shared.storage.s3 import s3_client, split_s3_uri
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET = "maze-grpo"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(port: int | None = None, log_path: Path | None = None) -> tuple[subprocess.Popen, str]:

@@ -6,9 +6,10 @@ build settings): SkyRL's model wrapper imports only its padding helpers, and its
 """
 
 import os
-import socket
 
 import pytest
+
+from shared.net import free_port
 
 os.environ.setdefault("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
 
@@ -18,9 +19,6 @@ def one_process_group():
     """A one-process gloo group, in which SkyRL's writers (rank 0 of 1) run as on the cluster."""
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

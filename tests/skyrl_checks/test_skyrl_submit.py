@@ -9,7 +9,6 @@ set in both), then our env made inside a Ray worker. With HF_HUB_OFFLINE in the 
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,10 @@ from pathlib import Path
 import pytest
 
 from shared.local_ray import stop_ray_started_in
+from shared.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_PY = REPO / ".venv" / "bin" / "python"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +28,7 @@ def ray_cluster():
     """HyperPod's shape on one machine: a head with no CPUs for tasks, and a worker node that has the CPUs and
     declares 2 GPUs (logical ones: SkyRL's set-up reserves 2 GPUs to probe peer access, which then finds no CUDA)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-skyrl-", dir="/tmp"))
-    dashboard, gcs = _port(), _port()
+    dashboard, gcs = free_port(), free_port()
     # Like a cluster node: `python` is the one with SkyRL and the project installed.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -43,9 +37,9 @@ def ray_cluster():
     try:
         subprocess.run([ray_cli, "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=0",
                         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}",
-                        f"--dashboard-agent-listen-port={_port()}", "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
+                        f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
         subprocess.run([ray_cli, "start", f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-                        "--num-gpus=2", f"--dashboard-agent-listen-port={_port()}", "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
+                        "--num-gpus=2", f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
         yield f"http://127.0.0.1:{dashboard}"
     finally:
         stop_ray_started_in(temp_dir)
