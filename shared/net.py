@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_PORT = 20000  # above Ray's default worker ports, 10002-19999
 
 
 def ephemeral_ports() -> tuple[int, int]:
@@ -26,10 +27,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     Chosen below the ephemeral range: a port from bind(0) lies in that range, where any process's outgoing
     connection can take it before the server binds it (a Ray head lost its metrics port that way in a `make test`
-    run, beside vLLM and Docker). Falls back to bind(0) when that range starts too low to leave room."""
+    run, beside vLLM and Docker). And above Ray's worker ports (10002-19999 by default), which its workers take and
+    `ray start` refuses for its own components. Falls back to bind(0) when that leaves no room."""
     low, _ = ephemeral_ports()
-    if low > 12000:
-        for port in random.SystemRandom().sample(range(10000, low), 50):  # never the seeded global generator
+    if low > FIRST_PORT + 1000:
+        for port in random.SystemRandom().sample(range(FIRST_PORT, low), 50):  # never the seeded global generator
             with socket.socket() as sock:
                 try:
                     sock.bind((host, port))
