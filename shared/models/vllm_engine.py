@@ -31,9 +31,10 @@ def padded_lora_rank(rank: int) -> int:
 
     from vllm.config.lora import MaxLoRARanks
 
-    fitting = [value for value in get_args(MaxLoRARanks) if value >= rank]
+    accepted = get_args(MaxLoRARanks)
+    fitting = [value for value in accepted if value >= rank]
     if not fitting:
-        raise ValueError(f"lora.rank = {rank} is above the largest LoRA rank vLLM serves ({max(get_args(MaxLoRARanks))})")
+        raise ValueError(f"lora.rank = {rank} is above the largest LoRA rank vLLM serves ({max(accepted)})")
     return min(fitting)
 
 
