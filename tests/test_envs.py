@@ -1,5 +1,5 @@
 """envs/: identical files become one copy on disk (link_duplicates.py); where the vLLM venv takes its torch from; pip's
-settings reach uv (uv_pip.py)."""
+settings reach uv (uv_pip.py); .ci/measure refuses what it must not do."""
 
 import importlib.util
 import subprocess
@@ -86,3 +86,17 @@ def test_uv_pip_says_what_is_missing_in_one_line(tmp_path):
     for args, words in (([], "usage: python envs/uv_pip.py UV_BINARY"), ([str(tmp_path / "uv"), "-r", "x"], "not an executable uv")):
         proc = subprocess.run([sys.executable, str(ROOT / "envs" / "uv_pip.py"), *args], capture_output=True, text=True)
         assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
+
+
+def test_ci_measure_refuses_in_one_line_and_touches_nothing(tmp_path):
+    """.ci/measure (CI's time from a clean clone, docs/experiments.md): what would purge a machine or empty a folder of
+    someone's files is refused in one line, before anything is cloned, purged or removed."""
+    theirs = write(tmp_path / "theirs" / "notes.txt", b"mine")
+    cases = ((["--fresh"], "add --yes to go on"), (["--ref", "no-such-commit"], "--ref no-such-commit: no such commit"),
+             (["--out", str(ROOT)], "holds this checkout"), (["--out", str(theirs.parent)], "holds files of its own"))
+    for args, words in cases:
+        proc = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), *args], capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and words in proc.stderr, (args, proc.stderr)
+    assert theirs.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "theirs"]
+    help_text = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--help"], capture_output=True, text=True)
+    assert help_text.returncode == 0 and "--half-cpu" in help_text.stdout and "--fresh" in help_text.stdout
