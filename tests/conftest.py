@@ -147,8 +147,8 @@ def warm_start_7x7() -> Path:
 @pytest.fixture(scope="session")
 def ray_head_address():
     """One Ray head on loopback for the session's trainer runs (`RAY_ADDRESS`: each joins it instead of starting a
-    Ray of its own, about 10-20 s apiece here); the transfer test and the other modules start theirs, as
-    `make train` does. Its ports are its own, so it never meets another Ray on the machine."""
+    Ray of its own, about 10-20 s apiece here); the other modules' trainer runs start theirs, as `make train` does
+    (tests/test_run_lock.py checks that start). Its ports are its own, so it never meets another Ray on the machine."""
     from shared.local_ray import stop_ray_started_in
 
     ray_cli = str(Path(sys.executable).parent / "ray")

@@ -724,20 +724,24 @@ GRPO_7X7 = ["rollout.train_batch_size=4", "rollout.n_samples_per_prompt=8", "rol
 
 
 @pytest.mark.slow
-def test_grpo_on_fresh_mazes_transfers_to_mazes_it_never_trained_on(warm_start_7x7, tmp_path):
+def test_grpo_on_fresh_mazes_transfers_to_mazes_it_never_trained_on(warm_start_7x7, tmp_path, ray_head_address):
     """The transfer test: eight GRPO steps on fresh mazes make the greedy policy solve more of 64 held-out mazes,
     paired maze by maze, with the paired 95% interval of the gain above zero (its own noise). The warm start never
     says `stop` and mostly walks into walls; GRPO teaches it to stop on the target and to bump fewer walls. A
     flipped loss sign or zeroed advantages fail here, under AVX-512 and AVX2 kernels alike (docs/experiments.md,
-    "A transfer test" and "The transfer test, pinned")."""
+    "A transfer test" and "The transfer test, pinned"). Its diagnostics are off (the after-step KL pass and the
+    junction probe: neither touches what it trains or scores, and they were a fifth of its time), and it joins the
+    session's Ray head as the other trainer runs here do."""
     shutil.copytree(warm_start_7x7, tmp_path / "models")
-    env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "services.trainer", *TRANSFER, *GRPO_7X7, "run_id=transfer"],
+    env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": ray_head_address}
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", *TRANSFER, *GRPO_7X7, "run_id=transfer",
+                           "trainer.update_kl=false", "schedule.junction_probe=false"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "runs" / "transfer"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(m["policy/updates"] for m in metrics) >= 6, "the steps trained"
+    assert not [m for m in metrics if "policy/kl" in m], "trainer.update_kl=false: no after-step KL pass"
     summary = json.loads((run / "summary.json").read_text())
     first_seed = int(summary["rl_seeds"].split("-")[0])
     assert first_seed >= 2_000_000, summary["rl_seeds"]  # GRPO's own stream, never the held-out seeds 0-63
@@ -745,3 +749,5 @@ def test_grpo_on_fresh_mazes_transfers_to_mazes_it_never_trained_on(warm_start_7
     assert (held_out["before"]["step"], held_out["after"]["step"]) == (0, 8)
     paired = held_out["paired"]
     assert paired["ci_low"] > 0 and paired["gained"] > paired["lost"], held_out
+    evals = [json.loads(line) for line in (run / "evals" / "history.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 8] and not [e for e in evals if "junctions" in e], "no junction probe"

@@ -124,13 +124,13 @@ def credit_turns(groups: list[MazeGroup], algo) -> tuple[list[TrainingSample], l
 
 
 def update_policy(model, optimizer, params, processor, groups: list[SignalGroup], *, algo, temperature: float,
-                  per_update: int, step: int) -> dict:
+                  per_update: int, step: int, measure_kl: bool = True) -> dict:
     """Trains the policy on the step's signal-carrying groups; returns the policy/* metrics.
 
     Mini-batches of `per_update` maze groups, one optimizer step each (SkyRL's policy_mini_batch_size), for
     `update_epochs` passes; token-level PPO-clip over assistant tokens in the configured reduction. Advantages, each
     loss and each gradient norm are checked finite first: a non-finite one raises TrainingStopped before the
-    optimizer steps on it.
+    optimizer steps on it. `measure_kl` adds policy/kl (`update_kl`: one more forward pass).
     """
     trained = [s for group in groups for s in group.samples]
     check_finite("an advantage", torch.tensor([s.advantage for s in trained]), step,
@@ -173,10 +173,12 @@ def update_policy(model, optimizer, params, processor, groups: list[SignalGroup]
                                       "checkpoint and export hold finite weights. Lower algorithm.lr.")
     model.eval()
     tokens = sum(sum(s.response_mask) for s in trained) * algo.update_epochs
-    return {"policy/entropy": entropy_sum / max(tokens, 1), "policy/clip_fraction": clipped / max(tokens, 1),
-            "policy/loss": loss_sum / max(updates, 1), "policy/grad_norm": grad_norm_sum / max(updates, 1),
-            "policy/updates": updates,
-            "policy/kl": update_kl(model, processor, trained, temperature, algo.micro_batch_size)}
+    stats = {"policy/entropy": entropy_sum / max(tokens, 1), "policy/clip_fraction": clipped / max(tokens, 1),
+             "policy/loss": loss_sum / max(updates, 1), "policy/grad_norm": grad_norm_sum / max(updates, 1),
+             "policy/updates": updates}
+    if measure_kl:
+        stats["policy/kl"] = update_kl(model, processor, trained, temperature, algo.micro_batch_size)
+    return stats
 
 
 def loss_denominators(groups: list[SignalGroup]) -> tuple[int, int]:

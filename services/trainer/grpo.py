@@ -220,7 +220,8 @@ class Trainer:
         started = time.perf_counter()
         stats = update_policy(self.model, self.optimizer, self.params, self.processor, groups, algo=algo,
                               temperature=cfg.rollout.temperature,
-                              per_update=algo.mini_batch_size or cfg.rollout.train_batch_size, step=step)
+                              per_update=algo.mini_batch_size or cfg.rollout.train_batch_size, step=step,
+                              measure_kl=cfg.trainer.update_kl)
         train_s = time.perf_counter() - started
 
         episodes = [e for group in played for e in group.episodes]

@@ -92,9 +92,9 @@ class RunEvals:
 
     def held_out(self, step: int) -> dict:
         """Scores the policy at `step` on the 64 held-out mazes (greedy), with its teacher-forced junction accuracy
-        on their solver paths and the share of those decisions it makes otherwise than the warm start; keeps it in
-        the history."""
-        summary = self.evaluation(f"global_step_{step}", self.held_out_set, step, probe=True)
+        on their solver paths and the share of those decisions it makes otherwise than the warm start (unless
+        schedule.junction_probe is off); keeps it in the history."""
+        summary = self.evaluation(f"global_step_{step}", self.held_out_set, step, probe=self.cfg.schedule.junction_probe)
         start = self.history.get(0) or (summary if step == 0 else None)
         if start and start.get("junction_choices") and summary.get("junction_choices"):
             changed = sum(a != b for a, b in zip(start["junction_choices"], summary["junction_choices"]))

@@ -142,6 +142,10 @@ class ScheduleConfig(Section):
     total_steps: int = Field(40, ge=0)
     eval_interval: int = Field(10, ge=0, description="0 = only before and after training")
     eval_before_train: bool = True
+    junction_probe: bool = Field(
+        True, description="local backend: the held-out evals also score the policy's teacher-forced choices at the "
+        "junctions of the solver's paths (eval/junction_accuracy); false saves about two thirds of each such eval "
+        "on the tiny model")
     ckpt_interval: int = Field(20, ge=1)
     max_ckpts_to_keep: int | None = Field(None, ge=1, description="full checkpoints kept on the volume (null: all)")
     hf_save_interval: int = Field(20, ge=1)
@@ -155,6 +159,9 @@ class TrainerConfig(Section):
         description="where step metrics go beside metrics.jsonl: console (the progress line), tensorboard (event "
                     "files in runs/<id>/tensorboard), wandb (W&B: WANDB_API_KEY or `wandb login`, or WANDB_MODE=offline)")
     project_name: str = Field("maze-grpo", description="the W&B project (and SkyRL's trainer.project_name)")
+    update_kl: bool = Field(
+        True, description="local backend: policy/kl, KL(before || after) of each step's update, from one more forward "
+        "pass over what it trained on (about a fifth of a step's training time); false leaves the metric out")
 
 
 class LoraConfig(Section):
