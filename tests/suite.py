@@ -267,6 +267,7 @@ def main() -> int:
     runner = Runner(jobs(args.fast, args.pytest_args), env)
 
     def interrupted(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: make passes its group's SIGTERM on to this process again
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)  # CI's stop, or a kill: every job's process group goes with it
@@ -275,6 +276,8 @@ def main() -> int:
     except KeyboardInterrupt:
         code = 130
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # every job is stopped, whatever else arrives meanwhile
+            signal.signal(sig, signal.SIG_IGN)
         runner.stop_all()
     runner.report()
     return code

@@ -99,10 +99,10 @@ def test_ci_measure_refuses_in_one_line_and_touches_nothing(tmp_path):
         proc = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), *args], capture_output=True, text=True)
         assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and words in proc.stderr, (args, proc.stderr)
     assert theirs.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "theirs"]
-    # Too little disk for a run (four kept clones once filled this machine's): refused before anything is cloned.
+    # Too little disk for a run (four kept clones once filled this machine's): refused before anything is made.
     full = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")], capture_output=True,
                           text=True, env={**os.environ, "CI_MEASURE_NEEDS_GB": "1e9"})
-    assert full.returncode == 2 and full.stderr.strip().count("\n") == 0 and "GB free where --out" in full.stderr, full.stderr
-    assert [p.name for p in (tmp_path / "m").iterdir()] == [".ci-measure"]
+    assert full.returncode == 2 and full.stderr.strip().count("\n") == 0 and "GB free on the disk of --out" in full.stderr, full.stderr
+    assert not (tmp_path / "m").exists(), "refused before anything was made"
     help_text = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "--half-cpu" in help_text.stdout and "--fresh" in help_text.stdout
