@@ -730,7 +730,7 @@ def test_grpo_on_fresh_mazes_transfers_to_mazes_it_never_trained_on(warm_start_7
     says `stop` and mostly walks into walls; GRPO teaches it to stop on the target and to bump fewer walls. A
     flipped loss sign or zeroed advantages fail here, under AVX-512 and AVX2 kernels alike (docs/experiments.md,
     "A transfer test" and "The transfer test, pinned"). Its diagnostics are off (the after-step KL pass and the
-    junction probe: neither touches what it trains or scores, and they were a fifth of its time), and it joins the
+    junction probe: neither touches what it trains or scores, and they were a quarter of its time), and it joins the
     session's Ray head as the other trainer runs here do."""
     shutil.copytree(warm_start_7x7, tmp_path / "models")
     env = {**os.environ, "SHARED_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": ray_head_address}

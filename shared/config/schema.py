@@ -145,7 +145,7 @@ class ScheduleConfig(Section):
     junction_probe: bool = Field(
         True, description="local backend: the held-out evals also score the policy's teacher-forced choices at the "
         "junctions of the solver's paths (eval/junction_accuracy); false saves about two thirds of each such eval "
-        "on the tiny model")
+        "on the tiny model; switched on in a resumed run, the evals from then on have it")
     ckpt_interval: int = Field(20, ge=1)
     max_ckpts_to_keep: int | None = Field(None, ge=1, description="full checkpoints kept on the volume (null: all)")
     hf_save_interval: int = Field(20, ge=1)
@@ -161,7 +161,7 @@ class TrainerConfig(Section):
     project_name: str = Field("maze-grpo", description="the W&B project (and SkyRL's trainer.project_name)")
     update_kl: bool = Field(
         True, description="local backend: policy/kl, KL(before || after) of each step's update, from one more forward "
-        "pass over what it trained on (about a fifth of a step's training time); false leaves the metric out")
+        "pass over what it trained on (a quarter to a third of a step's update); false leaves the metric out")
 
 
 class LoraConfig(Section):
