@@ -93,8 +93,10 @@ GROUPS = {
 VLLM_GROUPS = {"vllm-server", "vllm-rollout"}
 # The order in which test jobs take a free slot: the longest first (their lengths in two streams at 5462dac, faster
 # kind: 5m11s, 4m40s, 4m23s, 3m47s, 2m48s, 2m08s, 1m38s, 0m20s), so the last to end is a short one. With the container
-# tests last but one they ran alone for their last 1m46s, the cores half idle while Docker started the stack.
-ORDER = ["tests-trainer", "tests-services", "tests-vllm-server", "tests-cluster", "skyrl-checks", "container-tests",
+# tests last but one they ran alone for their last 1m46s, the cores half idle while Docker started the stack; after
+# SkyRL's checks, the vLLM rollout tests still ran alone for the last 36 to 63 s of a run at half speed (runs 27 and
+# 28, docs/experiments.md): the container tests go before SkyRL's checks, whose 6 to 7 minutes cover their end.
+ORDER = ["tests-trainer", "tests-services", "tests-vllm-server", "tests-cluster", "container-tests", "skyrl-checks",
          "tests-vllm-rollout", "tests-rest"]
 
 
