@@ -4,17 +4,22 @@
 
 The base image is a build argument: the official Python image by default, or the one `make base-image` builds
 from Debian's packages (used on its own when the official one cannot be pulled). Each image is tagged with the
-project version, the git commit and `latest`, carries OCI labels, and its size is printed at the end.
+project version, the git commit and `latest`, carries OCI labels, and its size is printed at the end. The pinned
+CPU torch wheels, where this host's pip has them, reach the build over HTTP (WHEELS_URL), not in its context.
 """
 
 from __future__ import annotations
 
+import hashlib
+import http.server
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import tomllib
+from contextlib import contextmanager
 from pathlib import Path
 
 from shared.config import command_line
@@ -128,6 +133,85 @@ def fill_wheelhouse(torch_pins: list[str]) -> None:
         for stale in wheels.glob("*.whl"):
             stale.unlink()
         print(f"{' '.join(torch_pins)}: not in this host's pip sources; the images take them from the CPU index")
+
+
+def bridge_gateway(client) -> str:
+    """Returns the default Docker bridge's gateway address (what a build step reaches the host on), or ""."""
+    try:
+        return client.networks.get("bridge").attrs["IPAM"]["Config"][0]["Gateway"]
+    except Exception:  # noqa: BLE001 - no default bridge (another network driver): the caller takes the index
+        return ""
+
+
+@contextmanager
+def served_wheels(folder: Path, host: str):
+    """Serves folder/*.whl over HTTP on host while the block runs; yields the find-links URL (WHEELS_URL), or ""
+    when there are no wheels or no host to serve them on (the build then takes the CPU index).
+
+    The path holds the wheels' digest, so the torch layer is built again exactly when the wheels change, and the
+    port is derived from it so that a rebuild finds its cached layer (another port, taken only when that one is
+    busy, builds the layer again)."""
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels or not host:
+        yield ""
+        return
+    digest = hashlib.sha256()
+    for wheel in wheels:
+        digest.update(wheel.name.encode())
+        with open(wheel, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    key = digest.hexdigest()[:16]
+    files = {wheel.name: wheel for wheel in wheels}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):  # noqa: N802 - http.server's names; uv asks HEAD first, then GET
+            self._answer(body=False)
+
+        def do_GET(self):  # noqa: N802
+            self._answer(body=True)
+
+        def _answer(self, body: bool) -> None:
+            name = self.path.removeprefix(f"/{key}/")
+            if self.path == f"/{key}/":
+                page = "".join(f'<a href="{n}">{n}</a>\n' for n in files).encode()
+                size, kind = len(page), "text/html"
+            elif name in files:
+                page, size, kind = None, files[name].stat().st_size, "application/octet-stream"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            if body and page is not None:
+                self.wfile.write(page)
+            elif body:
+                with open(files[name], "rb") as handle:
+                    shutil.copyfileobj(handle, self.wfile)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    preferred = 20000 + int(key, 16) % 30000
+    try:
+        server = http.server.ThreadingHTTPServer((host, preferred), Handler)
+    except OSError:
+        try:
+            server = http.server.ThreadingHTTPServer((host, 0), Handler)
+        except OSError as exc:
+            print(f"note: cannot serve {folder.name}/*.whl on {host} ({exc.strerror}); the images take torch from "
+                  "the CPU index", flush=True)
+            yield ""
+            return
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{host}:{server.server_address[1]}/{key}/"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def image_extras() -> list[str]:
@@ -289,21 +373,24 @@ def main(argv=None) -> None:
                 print(f"the images trust {trusted} extra CA certificate(s) from {args.ca_certs}")
         rev = commit()
         built = []
-        for name in names:
-            repo = f"{args.registry}maze-grpo/{name}"
-            print(f"==> {repo}:{version()} ({IMAGES[name][0]}, target {IMAGES[name][1]})", flush=True)
-            started = time.time()
-            image = build_one(client, name, repo, build_args if name in cpu else {}, rev, args.yield_cpu)
-            built.append((repo, image, time.time() - started))
-            if not args.keep_old:
-                removed = prune_superseded(client, repo, image)
-                if removed:
-                    print(f"removed {removed} superseded {repo} image(s) (--keep-old keeps them)", flush=True)
-            if args.push:
-                for tag in (version(), rev, "latest"):
-                    for line in client.api.push(repo, tag=tag, stream=True, decode=True):
-                        if "error" in line:
-                            raise BuildError(f"push of {repo}:{tag} failed: {line['error']}: log in to the registry first")
+        with served_wheels(ROOT / "docker" / "wheels", bridge_gateway(client) if cpu else "") as wheels_url:
+            if wheels_url:
+                build_args["WHEELS_URL"] = wheels_url
+            for name in names:
+                repo = f"{args.registry}maze-grpo/{name}"
+                print(f"==> {repo}:{version()} ({IMAGES[name][0]}, target {IMAGES[name][1]})", flush=True)
+                started = time.time()
+                image = build_one(client, name, repo, build_args if name in cpu else {}, rev, args.yield_cpu)
+                built.append((repo, image, time.time() - started))
+                if not args.keep_old:
+                    removed = prune_superseded(client, repo, image)
+                    if removed:
+                        print(f"removed {removed} superseded {repo} image(s) (--keep-old keeps them)", flush=True)
+                if args.push:
+                    for tag in (version(), rev, "latest"):
+                        for line in client.api.push(repo, tag=tag, stream=True, decode=True):
+                            if "error" in line:
+                                raise BuildError(f"push of {repo}:{tag} failed: {line['error']}: log in to the registry first")
     except BuildError as exc:
         sys.exit(f"error: {exc}")
     print(f"\n{'image':<44} {'tags':<28} {'size':>9} {'build':>7}")

@@ -96,7 +96,7 @@ def test_every_service_has_an_image_and_the_server_a_healthcheck():
 
 def test_dockerignore_keeps_state_out():
     patterns = (REPO / ".dockerignore").read_text().split()
-    for entry in (".venv", ".venv-skyrl", ".venv-vllm", ".shared", ".git"):
+    for entry in (".venv", ".venv-skyrl", ".venv-vllm", ".shared", ".git", "docker/wheels/torch-2.13.0+cpu.whl"):
         assert any(fnmatch.fnmatchcase(entry, pattern) for pattern in patterns), entry
 
 
@@ -110,6 +110,33 @@ def test_the_images_are_pinned_to_the_versions_this_venv_holds():
     assert build.venv_mismatches(build.image_extras()) == []
     missing = build.venv_mismatches(["skyrl-check"])  # .venv-skyrl's extra: not in this venv, and said so
     assert any(line.startswith("datasets==") for line in missing), missing
+
+
+def test_the_torch_wheels_are_served_to_the_build_at_a_url_that_names_them(tmp_path):
+    """docker/build.py serves the wheels to the build's install step (they are not in its context): a find-links
+    page and the files, HEAD and GET as uv asks; the same URL for the same wheels (so a rebuild finds its cached
+    layer), another once they change; nothing else served."""
+    import httpx
+
+    import build
+
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"torch" * 1000)
+    (tmp_path / "README.md").write_text("not served")
+    with build.served_wheels(tmp_path, "127.0.0.1") as url:
+        page = httpx.get(url)
+        assert page.status_code == 200 and 'href="torch-2.13.0+cpu-cp311' in page.text and "README" not in page.text
+        wheel = url + "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+        assert httpx.head(wheel).headers["content-length"] == "5000"
+        assert httpx.get(wheel).content == b"torch" * 1000
+        assert httpx.get(url + "README.md").status_code == 404
+        assert httpx.get(url.rsplit("/", 2)[0] + "/other/").status_code == 404
+    with build.served_wheels(tmp_path, "127.0.0.1") as again:
+        assert again == url
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"other")
+    with build.served_wheels(tmp_path, "127.0.0.1") as changed:
+        assert changed != url and changed.startswith("http://127.0.0.1:")
+    with build.served_wheels(tmp_path / "none", "127.0.0.1") as nothing:
+        assert nothing == ""
 
 
 def test_make_images_without_an_engine_says_so():
