@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import tomllib
+import urllib.parse
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -124,8 +125,11 @@ def fill_wheelhouse(torch_pins: list[str]) -> None:
     """Copies the pinned torch wheels into docker/wheels/ when this host's pip has them (a local index or cache)."""
     wheels = ROOT / "docker" / "wheels"
     wheels.mkdir(exist_ok=True)
-    names = [pin.split("==")[0] for pin in torch_pins]
-    if all(list(wheels.glob(f"{name}-*.whl")) for name in names):
+    pinned = [f"{pin.split('==')[0]}-{pin.split('==')[1]}-" for pin in torch_pins]  # wheel names start so
+    for stale in wheels.glob("*.whl"):  # another pin's: served beside the pinned ones, they would only mislead
+        if not stale.name.startswith(tuple(pinned)):
+            stale.unlink()
+    if all(list(wheels.glob(f"{prefix}*.whl")) for prefix in pinned):
         return
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(wheels),
                            *torch_pins], capture_output=True, text=True)
@@ -136,11 +140,15 @@ def fill_wheelhouse(torch_pins: list[str]) -> None:
 
 
 def bridge_gateway(client) -> str:
-    """Returns the default Docker bridge's gateway address (what a build step reaches the host on), or ""."""
+    """Returns the IPv4 gateway of the default Docker bridge (where a build step reaches the host), or "" when the
+    engine is not this machine's (a remote DOCKER_HOST: its bridge is another host's) or has no such bridge."""
+    if client.api.base_url != "http+docker://localhost":  # docker-py's name for a local unix socket
+        return ""
     try:
-        return client.networks.get("bridge").attrs["IPAM"]["Config"][0]["Gateway"]
+        configs = client.networks.get("bridge").attrs["IPAM"]["Config"] or []
     except Exception:  # noqa: BLE001 - no default bridge (another network driver): the caller takes the index
         return ""
+    return next((c["Gateway"] for c in configs if c.get("Gateway") and ":" not in c["Gateway"]), "")
 
 
 @contextmanager
@@ -172,7 +180,7 @@ def served_wheels(folder: Path, host: str):
             self._answer(body=True)
 
         def _answer(self, body: bool) -> None:
-            name = self.path.removeprefix(f"/{key}/")
+            name = urllib.parse.unquote(self.path.removeprefix(f"/{key}/"))
             if self.path == f"/{key}/":
                 page = "".join(f'<a href="{n}">{n}</a>\n' for n in files).encode()
                 size, kind = len(page), "text/html"
@@ -189,7 +197,10 @@ def served_wheels(folder: Path, host: str):
                 self.wfile.write(page)
             elif body:
                 with open(files[name], "rb") as handle:
-                    shutil.copyfileobj(handle, self.wfile)
+                    try:
+                        shutil.copyfileobj(handle, self.wfile)
+                    except ConnectionError:
+                        pass  # the client went away mid-file: its own error says so
 
         def log_message(self, *args) -> None:
             pass

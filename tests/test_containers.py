@@ -128,6 +128,7 @@ def test_the_torch_wheels_are_served_to_the_build_at_a_url_that_names_them(tmp_p
         wheel = url + "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
         assert httpx.head(wheel).headers["content-length"] == "5000"
         assert httpx.get(wheel).content == b"torch" * 1000
+        assert httpx.get(wheel.replace("+", "%2B")).content == b"torch" * 1000  # a client that quotes the "+"
         assert httpx.get(url + "README.md").status_code == 404
         assert httpx.get(url.rsplit("/", 2)[0] + "/other/").status_code == 404
     with build.served_wheels(tmp_path, "127.0.0.1") as again:
