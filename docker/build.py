@@ -10,6 +10,7 @@ CPU torch wheels, where this host's pip has them, reach the build over HTTP (WHE
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import re
@@ -20,7 +21,6 @@ import threading
 import time
 import tomllib
 import urllib.parse
-from contextlib import contextmanager
 from pathlib import Path
 
 from shared.config import command_line
@@ -125,7 +125,7 @@ def fill_wheelhouse(torch_pins: list[str]) -> None:
     """Copies the pinned torch wheels into docker/wheels/ when this host's pip has them (a local index or cache)."""
     wheels = ROOT / "docker" / "wheels"
     wheels.mkdir(exist_ok=True)
-    pinned = [f"{pin.split('==')[0]}-{pin.split('==')[1]}-" for pin in torch_pins]  # wheel names start so
+    pinned = [pin.replace("==", "-") + "-" for pin in torch_pins]  # torch==2.13.0+cpu: torch-2.13.0+cpu-*.whl
     for stale in wheels.glob("*.whl"):  # another pin's: served beside the pinned ones, they would only mislead
         if not stale.name.startswith(tuple(pinned)):
             stale.unlink()
@@ -151,7 +151,7 @@ def bridge_gateway(client) -> str:
     return next((c["Gateway"] for c in configs if c.get("Gateway") and ":" not in c["Gateway"]), "")
 
 
-@contextmanager
+@contextlib.contextmanager
 def served_wheels(folder: Path, host: str):
     """Serves folder/*.whl over HTTP on host while the block runs; yields the find-links URL (WHEELS_URL), or ""
     when there are no wheels or no host to serve them on (the build then takes the CPU index).
@@ -180,27 +180,20 @@ def served_wheels(folder: Path, host: str):
             self._answer(body=True)
 
         def _answer(self, body: bool) -> None:
-            name = urllib.parse.unquote(self.path.removeprefix(f"/{key}/"))
-            if self.path == f"/{key}/":
-                page = "".join(f'<a href="{n}">{n}</a>\n' for n in files).encode()
-                size, kind = len(page), "text/html"
-            elif name in files:
-                page, size, kind = None, files[name].stat().st_size, "application/octet-stream"
-            else:
+            wheel = files.get(urllib.parse.unquote(self.path.removeprefix(f"/{key}/")))
+            if wheel is None and self.path != f"/{key}/":
                 self.send_error(404)
                 return
+            page = b"" if wheel else "".join(f'<a href="{n}">{n}</a>\n' for n in files).encode()
             self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(size))
+            self.send_header("Content-Type", "application/octet-stream" if wheel else "text/html")
+            self.send_header("Content-Length", str(wheel.stat().st_size if wheel else len(page)))
             self.end_headers()
-            if body and page is not None:
-                self.wfile.write(page)
+            if body and wheel:
+                with open(wheel, "rb") as handle, contextlib.suppress(ConnectionError):  # a client gone mid-file
+                    shutil.copyfileobj(handle, self.wfile)
             elif body:
-                with open(files[name], "rb") as handle:
-                    try:
-                        shutil.copyfileobj(handle, self.wfile)
-                    except ConnectionError:
-                        pass  # the client went away mid-file: its own error says so
+                self.wfile.write(page)
 
         def log_message(self, *args) -> None:
             pass
