@@ -146,9 +146,13 @@ def bridge_gateway(client) -> str:
         return ""
     try:
         configs = client.networks.get("bridge").attrs["IPAM"]["Config"] or []
-    except Exception:  # noqa: BLE001 - no default bridge (another network driver): the caller takes the index
+    except Exception as exc:  # noqa: BLE001 - no default bridge (another network driver): the caller takes the index
+        print(f"note: the engine's default bridge is not readable ({type(exc).__name__}: {exc})", flush=True)
         return ""
-    return next((c["Gateway"] for c in configs if c.get("Gateway") and ":" not in c["Gateway"]), "")
+    gateway = next((c["Gateway"] for c in configs if c.get("Gateway") and ":" not in c["Gateway"]), "")
+    if not gateway:
+        print(f"note: the engine's default bridge has no IPv4 gateway (IPAM config {configs})", flush=True)
+    return gateway
 
 
 @contextlib.contextmanager
@@ -161,6 +165,8 @@ def served_wheels(folder: Path, host: str):
     busy, builds the layer again)."""
     wheels = sorted(folder.glob("*.whl"))
     if not wheels or not host:
+        print(f"note: {'no wheels in ' + str(folder) if not wheels else 'no address to serve them on'}: the images "
+              "take torch from the CPU index", flush=True)
         yield ""
         return
     digest = hashlib.sha256()
@@ -380,6 +386,7 @@ def main(argv=None) -> None:
         with served_wheels(ROOT / "docker" / "wheels", bridge_gateway(client) if cpu else "") as wheels_url:
             if wheels_url:
                 build_args["WHEELS_URL"] = wheels_url
+                print(f"torch wheels served to the build at {wheels_url}", flush=True)
             for name in names:
                 repo = f"{args.registry}maze-grpo/{name}"
                 print(f"==> {repo}:{version()} ({IMAGES[name][0]}, target {IMAGES[name][1]})", flush=True)
