@@ -154,20 +154,60 @@ def watch(parent_pid: int, poll_s: float = 0.5, grace_s: float = 3.0) -> None:
             pass
 
 
-def stop_ray_started_in(temp_dir: str | Path) -> None:
-    """Kills the Ray processes of the `ray start --temp-dir=temp_dir` node(s) only: their command lines name it.
+def ray_processes_started_in(temp_dir: str | Path) -> list:
+    """Returns the live processes of the `ray start --temp-dir=temp_dir` node(s), as psutil processes.
+
+    A process is the node's when its command line names temp_dir, when it holds a file under temp_dir open, or when
+    it descends from one that does. The command line alone misses some: Ray's agents retitle themselves
+    (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) and the client server names only the GCS address, but each
+    writes its log under temp_dir. Left running once their node is gone, those agents spin on a core for a minute
+    or more before they notice.
+    """
+    import psutil
+
+    root = str(Path(temp_dir).resolve())
+    found: dict[int, psutil.Process] = {}
+    for process in psutil.process_iter(["cmdline"]):
+        if process.pid == os.getpid():  # a driver here that joined the node has its log open under temp_dir
+            continue
+        try:
+            if any(root in part or str(temp_dir) in part for part in process.info["cmdline"] or []) or any(
+                    f.path.startswith(root + os.sep) for f in process.open_files()):
+                found[process.pid] = process
+                found.update((child.pid, child) for child in process.children(recursive=True))
+        except psutil.Error:
+            pass
+    found.pop(os.getpid(), None)  # this process, should it descend from one of them
+    return list(found.values())
+
+
+def stop_ray_started_in(temp_dir: str | Path, timeout_s: float = 10) -> None:
+    """Kills the processes of the `ray start --temp-dir=temp_dir` node(s) only (`ray_processes_started_in`) and waits
+    up to timeout_s for them to end.
 
     `ray stop` would end every Ray on the machine, another user's or another test run's included.
     """
     import psutil
 
-    for process in psutil.process_iter(["cmdline"]):
+    processes = ray_processes_started_in(temp_dir)
+    for process in processes:
         try:
-            if any(str(temp_dir) in part for part in process.info["cmdline"] or []):
-                process.kill()
+            process.kill()
         except psutil.Error:
             pass
+    deadline = time.monotonic() + timeout_s
+    while any(alive(process) for process in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
+
+def alive(process) -> bool:
+    """Whether a psutil process still runs (a zombie, killed and waiting for its parent, does not)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["watch"] and len(sys.argv) == 3:

@@ -19,7 +19,7 @@ import yaml
 
 from services.trainer.submit import check_cluster, describe_hyperpod
 from shared.config import load_config
-from shared.local_ray import stop_ray_started_in
+from shared.local_ray import alive, ray_processes_started_in, stop_ray_started_in
 from shared.net import free_port
 from shared.storage.manifest import verify_manifest
 
@@ -46,11 +46,19 @@ def ray_head(tmp_path_factory):
                     # its own agent port: the default (52365) may be held by another Ray on this machine
                     f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"], check=True,
                    env={**env, "SHARED_DIR": str(cluster_storage)}, capture_output=True, timeout=180)
+    # Every process of the node, the retitled agents and the client server (whose command lines do not name
+    # temp_dir) included: each must end with the node, or it spins on a core for a minute or more.
+    node = ray_processes_started_in(temp_dir)
+    titles = [" ".join(process.cmdline()).strip() for process in node]
     try:
+        assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= {title.split()[0] for title in titles}, titles
+        assert any("ray.util.client.server" in title for title in titles), titles
         yield f"http://127.0.0.1:{dashboard}", env, cluster_storage
     finally:
         stop_ray_started_in(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
+    left = [" ".join(process.cmdline()) for process in node if alive(process)]
+    assert not left, f"left running after stop_ray_started_in: {left}"
 
 
 def test_submit_a_two_step_job_to_a_local_ray_head(ray_head, tmp_path):
