@@ -115,6 +115,16 @@ def start_watchdog() -> subprocess.Popen:
                             env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
 
 
+def alive(process) -> bool:
+    """Whether a psutil process still runs (a zombie, killed and waiting for its parent, does not)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def watch(parent_pid: int, poll_s: float = 0.5, grace_s: float = 3.0) -> None:
     """Records the parent's descendants while it lives; once it is gone, terminates (then kills) those left."""
     import psutil
@@ -125,7 +135,7 @@ def watch(parent_pid: int, poll_s: float = 0.5, grace_s: float = 3.0) -> None:
         return
     me = os.getpid()
     known: dict[int, psutil.Process] = {}
-    while parent.is_running() and parent.status() != psutil.STATUS_ZOMBIE:
+    while alive(parent):
         try:
             for child in parent.children(recursive=True):
                 if child.pid != me:
@@ -146,8 +156,8 @@ def watch(parent_pid: int, poll_s: float = 0.5, grace_s: float = 3.0) -> None:
             process.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(left, timeout=grace_s)
-    for process in alive:
+    _, still_running = psutil.wait_procs(left, timeout=grace_s)
+    for process in still_running:
         try:
             process.kill()
         except psutil.Error:
@@ -200,14 +210,6 @@ def stop_ray_started_in(temp_dir: str | Path, timeout_s: float = 10) -> None:
         time.sleep(0.1)
 
 
-def alive(process) -> bool:
-    """Whether a psutil process still runs (a zombie, killed and waiting for its parent, does not)."""
-    import psutil
-
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["watch"] and len(sys.argv) == 3:

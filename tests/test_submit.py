@@ -46,18 +46,17 @@ def ray_head(tmp_path_factory):
                     # its own agent port: the default (52365) may be held by another Ray on this machine
                     f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"], check=True,
                    env={**env, "SHARED_DIR": str(cluster_storage)}, capture_output=True, timeout=180)
-    # Every process of the node, the retitled agents and the client server (whose command lines do not name
-    # temp_dir) included: each must end with the node, or it spins on a core for a minute or more.
+    # Every process of the node, the retitled agents (whose command lines do not name temp_dir) included: each must
+    # end with the node, or it spins on a core for a minute or more.
     node = ray_processes_started_in(temp_dir)
     titles = [" ".join(process.cmdline()).strip() for process in node]
     try:
         assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= {title.split()[0] for title in titles}, titles
-        assert any("ray.util.client.server" in title for title in titles), titles
         yield f"http://127.0.0.1:{dashboard}", env, cluster_storage
     finally:
         stop_ray_started_in(temp_dir)
+        left = [" ".join(process.cmdline()) for process in [*node, *ray_processes_started_in(temp_dir)] if alive(process)]
         shutil.rmtree(temp_dir, ignore_errors=True)
-    left = [" ".join(process.cmdline()) for process in node if alive(process)]
     assert not left, f"left running after stop_ray_started_in: {left}"
 
 
