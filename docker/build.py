@@ -11,10 +11,14 @@ CPU torch wheels, where this host's pip has them, reach the build over HTTP (WHE
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import http.server
+import ipaddress
 import re
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -139,20 +143,41 @@ def fill_wheelhouse(torch_pins: list[str]) -> None:
         print(f"{' '.join(torch_pins)}: not in this host's pip sources; the images take them from the CPU index")
 
 
+def interface_ipv4(name: str) -> str:
+    """Returns the IPv4 address of this host's network interface `name`, or "" when it has none (Linux only)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            request = struct.pack("256s", name[:15].encode())
+            return socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
+    except OSError:
+        return ""
+
+
 def bridge_gateway(client) -> str:
     """Returns the IPv4 gateway of the default Docker bridge (where a build step reaches the host), or "" when the
-    engine is not this machine's (a remote DOCKER_HOST: its bridge is another host's) or has no such bridge."""
+    engine is not this machine's (a remote DOCKER_HOST: its bridge is another host's) or has no such bridge.
+
+    An engine started while its bridge interface already exists (a restarted dockerd) may record the bridge's
+    subnet without its gateway: the gateway is then the interface's own address, inside that subnet."""
     if client.api.base_url != "http+docker://localhost":  # docker-py's name for a local unix socket
         return ""
     try:
-        configs = client.networks.get("bridge").attrs["IPAM"]["Config"] or []
+        attrs = client.networks.get("bridge").attrs
     except Exception as exc:  # noqa: BLE001 - no default bridge (another network driver): the caller takes the index
         print(f"note: the engine's default bridge is not readable ({type(exc).__name__}: {exc})", flush=True)
         return ""
+    configs = (attrs.get("IPAM") or {}).get("Config") or []
     gateway = next((c["Gateway"] for c in configs if c.get("Gateway") and ":" not in c["Gateway"]), "")
-    if not gateway:
-        print(f"note: the engine's default bridge has no IPv4 gateway (IPAM config {configs})", flush=True)
-    return gateway
+    if gateway:
+        return gateway
+    interface = (attrs.get("Options") or {}).get("com.docker.network.bridge.name", "docker0")
+    address = interface_ipv4(interface)
+    subnets = [ipaddress.ip_network(c["Subnet"]) for c in configs if ":" not in c.get("Subnet", ":")]
+    if address and any(ipaddress.ip_address(address) in subnet for subnet in subnets):
+        return address
+    print(f"note: the engine's default bridge has no IPv4 gateway (IPAM config {configs}; {interface}: "
+          f"{address or 'no IPv4 address'})", flush=True)
+    return ""
 
 
 @contextlib.contextmanager

@@ -140,6 +140,28 @@ def test_the_torch_wheels_are_served_to_the_build_at_a_url_that_names_them(tmp_p
         assert nothing == ""
 
 
+def test_the_wheels_are_served_on_the_bridge_even_when_the_engine_records_no_gateway():
+    """A new engine that creates its bridge (a fresh machine: no docker0 before it) records the subnet without its
+    gateway; the build then took the CPU index, which containers here cannot reach, and `make test` failed on a fresh
+    machine. The gateway is then the bridge interface's own address (stand-ins below for docker-py's records; the
+    interface is this host's real loopback)."""
+    from types import SimpleNamespace
+
+    import build
+
+    def engine(config, interface="lo", url="http+docker://localhost"):
+        options = {"com.docker.network.bridge.name": interface}
+        network = SimpleNamespace(attrs={"IPAM": {"Config": config}, "Options": options})
+        return SimpleNamespace(api=SimpleNamespace(base_url=url), networks=SimpleNamespace(get=lambda name: network))
+
+    assert build.interface_ipv4("lo") == "127.0.0.1" and build.interface_ipv4("no-such-if0") == ""
+    assert build.bridge_gateway(engine([{"Subnet": "172.17.0.0/16", "Gateway": "172.17.0.1"}])) == "172.17.0.1"
+    assert build.bridge_gateway(engine([{"Subnet": "127.0.0.0/8"}])) == "127.0.0.1"  # no gateway: the interface's
+    assert build.bridge_gateway(engine([{"Subnet": "172.17.0.0/16"}])) == ""  # an address outside the bridge's subnet
+    assert build.bridge_gateway(engine([{"Subnet": "127.0.0.0/8"}], interface="no-such-if0")) == ""
+    assert build.bridge_gateway(engine([{"Subnet": "127.0.0.0/8"}], url="http://10.0.0.5:2375")) == ""  # not ours
+
+
 def test_make_images_without_an_engine_says_so():
     proc = subprocess.run([sys.executable, "docker/build.py", "--only", "evaluator"], cwd=REPO, capture_output=True,
                           text=True, env={"DOCKER_HOST": "unix:///nonexistent/docker.sock", "PATH": "/usr/bin:/bin"})
