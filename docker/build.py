@@ -157,8 +157,9 @@ def bridge_gateway(client) -> str:
     """Returns the IPv4 gateway of the default Docker bridge (where a build step reaches the host), or "" when the
     engine is not this machine's (a remote DOCKER_HOST: its bridge is another host's) or has no such bridge.
 
-    An engine started while its bridge interface already exists (a restarted dockerd) may record the bridge's
-    subnet without its gateway: the gateway is then the interface's own address, inside that subnet."""
+    An engine that creates its bridge interface itself (a fresh machine: no docker0 before dockerd's first start)
+    records the bridge's subnet without its gateway: the gateway is then the interface's own address, inside that
+    subnet."""
     if client.api.base_url != "http+docker://localhost":  # docker-py's name for a local unix socket
         return ""
     try:
