@@ -297,7 +297,9 @@ def _up_with_compose(tool, client, project, todo, services, compose_file, enviro
                 if container.attrs["Config"].get("Healthcheck"):
                     wait_healthy(container, name, health_timeout_s)
     except BaseException:
-        subprocess.run([*base, "stop", *todo], env=environ, capture_output=True)
+        # Killed, not stopped, as the SDK path removes them: `stop` gives each container 10 s to end, one after the
+        # other, and what just failed to start has nothing to end cleanly (a failed 2-service up: 25 s, killed 5 s).
+        subprocess.run([*base, "kill", *todo], env=environ, capture_output=True)
         subprocess.run([*base, "rm", "-f", "-v", *todo], env=environ, capture_output=True)
         if not containers(client, project):  # nothing of the project is left: what this call made goes too
             for network in [] if had_network else client.networks.list(filters=label):
