@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -194,11 +195,13 @@ def vllm_server(failing_server, exported_run, tiny_model_dir, s3_endpoint, wide_
     exporter = Exporter(cfg, AdapterStore.from_config(cfg), log=lambda *_: None)
     exporter.publish("wide", wide_adapter, {"rank": 64})
     exporter.publish("wide-unlabelled", wide_adapter, {})
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-vllm-", dir="/tmp")  # short: Ray's socket paths live under it
     port = free_port()
     proc, url = _start(env, _overrides(tiny_model_dir, port), tmp_path_factory.mktemp("vllm") / "server.log")
     assert url, "the vLLM server exited"
     yield url, env, run_id
     _stop(proc)
+    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
 def _auth():
@@ -240,6 +243,18 @@ def test_models_auth_and_an_image_chat(vllm_server):
 
 
 @needs_vllm
+def test_the_replica_reads_the_model_folder_where_it_is(vllm_server):
+    """The model is a folder on the volume: the LLMServer replica skips Ray Serve LLM's model-download task, a Ray
+    worker of its own that only returns the folder's path (about 9 CPU-seconds of imports per start:
+    services/server/llm_callback.py), and says so in its log."""
+    _, env, _ = vllm_server
+    logs = list(Path(env["RAY_TMPDIR"]).glob("ray/session_*/logs/serve/replica_*LLMServer*.log"))
+    assert logs, f"no LLMServer replica log under {env['RAY_TMPDIR']}"
+    text = "\n".join(path.read_text(errors="replace") for path in logs)
+    assert "Ray's model-download task skipped" in text, text[-2000:]
+    assert "Running tasks to download model files" not in text, "Ray's download task ran"
+
+
 def test_adapters_come_from_s3_and_a_repointed_alias_serves_its_new_weights(vllm_server):
     url, env, run_id = vllm_server
     step2, step4 = _first_logprob(url, f"{BASE}:{run_id}-step2"), _first_logprob(url, f"{BASE}:{run_id}-step4")

@@ -16,6 +16,8 @@ from shared.storage.volume import SharedVolume
 IMPORT_PATH = "ray.serve.llm:build_openai_app"
 INGRESS = "services.server.llm_ingress:MazeIngress"
 APP_NAME = "maze-llm"
+# Skips Ray's model-download task for the model folder the replica already sees (services/server/llm_callback.py).
+NODE_INIT = "services.server.llm_callback:LocalModel"
 
 
 def llm_config(cfg: RunConfig) -> dict:
@@ -53,6 +55,7 @@ def llm_config(cfg: RunConfig) -> dict:
             "max_constructor_retry_count": server.engine_start_tries,
         },
         "runtime_env": {"env_vars": env_vars},
+        "callback_config": {"callback_class": NODE_INIT},
     }
     if server.kv_cache_bytes:
         config["engine_kwargs"]["kv_cache_memory_bytes"] = server.kv_cache_bytes
