@@ -255,6 +255,7 @@ def test_the_replica_reads_the_model_folder_where_it_is(vllm_server):
     assert "Running tasks to download model files" not in text, "Ray's download task ran"
 
 
+@needs_vllm
 def test_adapters_come_from_s3_and_a_repointed_alias_serves_its_new_weights(vllm_server):
     url, env, run_id = vllm_server
     step2, step4 = _first_logprob(url, f"{BASE}:{run_id}-step2"), _first_logprob(url, f"{BASE}:{run_id}-step4")
