@@ -36,6 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LOGS = REPO / ".test-logs"
 PY = ".venv/bin/python"
+# Every job's processes carry its name (.ci/measure --cpu-by-job reads it to say which job spent the CPU).
+JOB_VARIABLE = "MAZE_GRPO_TEST_JOB"
 
 
 @dataclass
@@ -179,8 +181,9 @@ class Runner:
     def start(self, job: Job) -> None:
         job.started = self.now()
         handle = open(job.log, "w")
-        job.process = subprocess.Popen(job.command, cwd=REPO, env={**self.env, **job.env}, stdout=handle,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        env = {**self.env, **job.env, JOB_VARIABLE: job.name}
+        job.process = subprocess.Popen(job.command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
         self.say(f"start {job.name}: {' '.join(job.command)}")
 
     @staticmethod

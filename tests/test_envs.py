@@ -1,11 +1,14 @@
 """envs/: identical files become one copy on disk (link_duplicates.py); where the vLLM venv takes its torch from; pip's
-settings reach uv (uv_pip.py); .ci/measure refuses what it must not do."""
+settings reach uv (uv_pip.py); .ci/measure refuses what it must not do, and says which job spent the CPU."""
 
 import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("link_duplicates", ROOT / "envs" / "link_duplicates.py")
@@ -14,6 +17,8 @@ spec.loader.exec_module(link_duplicates)
 uv_spec = importlib.util.spec_from_file_location("uv_pip", ROOT / "envs" / "uv_pip.py")
 uv_pip = importlib.util.module_from_spec(uv_spec)
 uv_spec.loader.exec_module(uv_pip)
+sys.path.insert(0, str(ROOT / ".ci"))
+import cpu_accounting  # noqa: E402  (.ci/cpu_accounting.py)
 
 
 def write(path: Path, data: bytes) -> Path:
@@ -106,3 +111,54 @@ def test_ci_measure_refuses_in_one_line_and_touches_nothing(tmp_path):
     assert not (tmp_path / "m").exists(), "refused before anything was made"
     help_text = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "--half-cpu" in help_text.stdout and "--fresh" in help_text.stdout
+
+
+def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_path):
+    """.ci/measure --cpu-by-job: accounting records in the kernel's acct_v3 layout (comp_t's base-8 exponent
+    included) are read back, and each is given the job its recorded process (or its nearest ancestor, or for one
+    never recorded its parent) carries in its environment, as read from this machine's /proc."""
+    from suite import JOB_VARIABLE
+
+    def record(pid, ppid, started, utime, stime=0, comm=b"python"):
+        return cpu_accounting.RECORD.pack(0, 3, 0, 0, 0, 0, pid, ppid, started, 150.0, utime, stime, *[0] * 6, comm)
+
+    # 1000 ticks, 0x2000 | 1000: 1000 x 8 ticks, 0x4000 | 3: 3 x 64 ticks (AHZ = 100 a second)
+    raw = record(10, 1, 1_700_000_000, 1000, 0x2000 | 1000) + record(11, 10, 1_700_000_001, 0x4000 | 3, comm=b"g++")
+    (tmp_path / "acct").write_bytes(raw)
+    first, second = cpu_accounting.read_records(tmp_path / "acct")
+    assert (first.pid, first.ppid, first.cpu_s, first.wall_s, first.comm) == (10, 1, 90.0, 1.5, "python")
+    assert (second.cpu_s, second.comm) == (1.92, "g++")
+    (tmp_path / "bad").write_bytes(raw[:1] + b"\x02" + raw[2:64])
+    with pytest.raises(ValueError, match="not a version-3"):
+        cpu_accounting.read_records(tmp_path / "bad")
+
+    # The real /proc: a job's process, its child with an environment of its own, and a process of no job.
+    sleeper = [sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])"]
+    job = subprocess.Popen([*sleeper, "env", "-i", "sleep", "30"], env={**os.environ, JOB_VARIABLE: "tests-probe"})
+    stranger = subprocess.Popen(["sleep", "30"], env={k: v for k, v in os.environ.items() if k != JOB_VARIABLE})
+    try:
+        recorder = cpu_accounting.Recorder()
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            recorder.scan()
+            seen = {p.pid: p for p in recorder.seen.values()}
+            child = [p for p in seen.values() if p.ppid == job.pid and p.command.startswith("sleep")]
+            if child and stranger.pid in seen:
+                break
+            time.sleep(0.1)
+        [child] = child
+        exited = [cpu_accounting.Exited(pid, 0, int(seen[pid].started), 1.0, 1.0, "x")
+                  for pid in (job.pid, child.pid, stranger.pid)]
+        exited.append(cpu_accounting.Exited(4_000_000, child.pid, int(child.started) + 1, 2.0, 0.1, "cc1plus"))
+        exited.append(cpu_accounting.Exited(job.pid, 0, int(seen[job.pid].started) - 3600, 4.0, 1.0, "old"))  # pid reused
+        # Only these three as recorded (this test's own process may carry a job of its own, under make test)
+        known = [seen[job.pid], child, seen[stranger.pid]]
+        jobs = [job_name for _, job_name, _ in cpu_accounting.attribute(exited, known)]
+        assert jobs == ["tests-probe", "tests-probe", cpu_accounting.OUTSIDE, "tests-probe", cpu_accounting.OUTSIDE], jobs
+        table, line = cpu_accounting.report(cpu_accounting.attribute(exited, known), 10.0)
+        assert line == "cpu by job: outside the jobs 5 | tests-probe 4", line
+        assert "tests-probe" in table and "sleep 30" in table
+    finally:
+        for proc in (job, stranger):
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,185 @@
+"""Which job of `make test` spent the CPU: the kernel's process accounting, joined to each process's job.
+
+`.ci/measure --cpu-by-job` turns process accounting on for the run (acct(2): one record per process as it exits, with
+the CPU time it took) and records, every 0.2 s, each new process's command line, parent and job: tests/suite.py
+names the job in every job's environment (JOB_VARIABLE), and every process a job starts inherits it, Ray's daemons
+and workers and vLLM's engines included. A process whose environment lacks it (a test's subprocess with an
+environment of its own) takes its nearest recorded ancestor's job; a container's processes (children of Docker's
+shims, with the image's environment) and the measurement itself count as outside the jobs. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import struct
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from suite import JOB_VARIABLE  # noqa: E402  (tests/suite.py)
+
+OUTSIDE = "outside the jobs"
+# struct acct_v3 (linux/acct.h), 64 bytes: flag, version, tty, exitcode, uid, gid, pid, ppid, btime (epoch seconds),
+# etime (float, in AHZ ticks), eight comp_t (utime, stime, mem, io, rw, minflt, majflt, swaps), comm[16].
+RECORD = struct.Struct("<BBHIIIIIIf8H16s")
+AHZ = 100
+
+
+def comp_t(value: int) -> int:
+    """Decodes the kernel's comp_t: a 13-bit mantissa and a 3-bit exponent of base 8."""
+    return (value & 0x1FFF) << (3 * (value >> 13))
+
+
+@dataclass(frozen=True)
+class Exited:
+    """One accounting record: a process that ended."""
+
+    pid: int
+    ppid: int
+    started: int  # epoch seconds
+    cpu_s: float
+    wall_s: float
+    comm: str  # the name of its last thread to end, not always its program's
+
+
+def read_records(path: Path) -> list[Exited]:
+    data = Path(path).read_bytes()
+    records = []
+    for offset in range(0, len(data) - RECORD.size + 1, RECORD.size):
+        _, version, _, _, _, _, pid, ppid, btime, etime, utime, stime, *_, comm = RECORD.unpack_from(data, offset)
+        if version & 0x7F != 3:
+            raise ValueError(f"{path}: record {offset // RECORD.size} is not a version-3 process accounting record")
+        records.append(Exited(pid, ppid, btime, (comp_t(utime) + comp_t(stime)) / AHZ, etime / AHZ,
+                              comm.split(b"\0")[0].decode(errors="replace")))
+    return records
+
+
+@contextlib.contextmanager
+def accounting(path: Path) -> Iterator[None]:
+    """The kernel's process accounting into `path` while the block runs (root; one file for the whole machine)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    Path(path).touch()
+    if libc.acct(str(path).encode()) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"process accounting could not start ({os.strerror(errno)})")
+    try:
+        yield
+    finally:
+        libc.acct(None)
+
+
+@dataclass
+class Seen:
+    pid: int
+    ppid: int
+    started: float  # epoch seconds
+    command: str
+    job: str  # its own JOB_VARIABLE, "" where it has none
+    first_seen: float
+
+
+class Recorder(threading.Thread):
+    """Every `interval_s`, the command line, parent and job of each process not seen before (by pid and start time);
+    a young process's command line is read again for a second (a fork runs its parent's until it execs)."""
+
+    def __init__(self, interval_s: float = 0.2, proc: Path = Path("/proc")):
+        super().__init__(daemon=True)
+        self.interval_s, self.proc = interval_s, proc
+        self.seen: dict[tuple[int, int], Seen] = {}
+        self.done = threading.Event()
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.boot = next(int(line.split()[1]) for line in (proc / "stat").read_text().splitlines()
+                         if line.startswith("btime "))
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.scan()
+            self.done.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+
+    def scan(self) -> None:
+        now = time.time()
+        for name in os.listdir(self.proc):
+            if not name.isdigit():
+                continue
+            try:
+                stat = (self.proc / name / "stat").read_text()
+                fields = stat[stat.rindex(")") + 2:].split()
+                key = (int(name), int(fields[19]))
+                known = self.seen.get(key)
+                if known and now - known.first_seen > 1.0:
+                    continue
+                command = (self.proc / name / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if known:
+                    known.command = command.strip() or known.command
+                    continue
+                environ = (self.proc / name / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            prefix = JOB_VARIABLE.encode() + b"="
+            job = next((item[len(prefix):].decode(errors="replace") for item in environ if item.startswith(prefix)), "")
+            self.seen[key] = Seen(key[0], int(fields[1]), self.boot + key[1] / self.tick, command.strip(), job, now)
+
+
+def attribute(records: list[Exited], seen: list[Seen]) -> list[tuple[Exited, str, str]]:
+    """Returns (record, job, command) for each record: the recorded process of the same pid that started within 2 s
+    of it, its job its own or its nearest recorded ancestor's; a process never recorded (it lived under 0.2 s)
+    takes its parent's job, and its name for a command."""
+    by_pid: dict[int, list[Seen]] = {}
+    for process in seen:
+        by_pid.setdefault(process.pid, []).append(process)
+
+    def find(pid: int, started: float) -> Seen | None:
+        near = [p for p in by_pid.get(pid, []) if abs(p.started - started) <= 2]
+        return min(near, key=lambda p: abs(p.started - started)) if near else None
+
+    def job_of(process: Seen) -> str:
+        for _ in range(64):
+            if process.job:
+                return process.job
+            parents = [p for p in by_pid.get(process.ppid, []) if p.started <= process.started + 2]
+            if not parents:
+                return ""
+            process = max(parents, key=lambda p: p.started)
+        return ""
+
+    out = []
+    for record in records:
+        process = find(record.pid, record.started)
+        if process:
+            out.append((record, job_of(process) or OUTSIDE, process.command or record.comm))
+            continue
+        parents = [p for p in by_pid.get(record.ppid, []) if p.started <= record.started + 2]
+        job = job_of(max(parents, key=lambda p: p.started)) if parents else ""
+        out.append((record, job or OUTSIDE, record.comm))
+    return out
+
+
+def report(attributed: list[tuple[Exited, str, str]], machine_cpu_s: float, top: int = 30) -> tuple[str, str]:
+    """Returns (a table of CPU-seconds by job and the processes that took the most, one line by job)."""
+    cpu, count = Counter(), Counter()
+    for record, job, _ in attributed:
+        cpu[job] += record.cpu_s
+        count[job] += 1
+    total = sum(cpu.values())
+    lines = [f"CPU-seconds by job of `make test`: {total:,.0f} CPU-s in {len(attributed):,} processes' accounting records, "
+             f"of {machine_cpu_s:,.0f} the machine spent (the rest: the kernel's own work and what was still running)",
+             "", f"{'job':<24} {'CPU-s':>8} {'share':>6} {'processes':>9}"]
+    for job, seconds in cpu.most_common():
+        lines.append(f"{job:<24} {seconds:8.1f} {100 * seconds / max(total, 1e-9):5.1f}% {count[job]:9,}")
+    lines += ["", f"the {top} processes that took the most (wall: how long each lived):",
+              f"{'CPU-s':>7} {'wall-s':>7}  {'job':<22} command"]
+    for record, job, command in sorted(attributed, key=lambda item: -item[0].cpu_s)[:top]:
+        lines.append(f"{record.cpu_s:7.1f} {record.wall_s:7.1f}  {job:<22} {' '.join(command.split())[:160]}")
+    line = "cpu by job: " + " | ".join(f"{job} {seconds:,.0f}" for job, seconds in cpu.most_common())
+    return "\n".join(lines) + "\n", line
