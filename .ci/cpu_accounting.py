@@ -4,8 +4,9 @@
 the CPU time it took) and records, every 0.2 s, each new process's command line, parent and job: tests/suite.py
 names the job in every job's environment (JOB_VARIABLE), and every process a job starts inherits it, Ray's daemons
 and workers and vLLM's engines included. A process whose environment lacks it (a test's subprocess with an
-environment of its own) takes its nearest recorded ancestor's job; a container's processes (children of Docker's
-shims, with the image's environment) and the measurement itself count as outside the jobs. Standard library only.
+environment of its own, a container's process with its image's) takes its nearest recorded ancestor's job: the
+image builds' steps and the containers count in the Docker engine's job (`engine`), whose shims start them. The
+measurement itself counts as outside the jobs. Standard library only.
 """
 
 from __future__ import annotations
@@ -89,9 +90,9 @@ class Recorder(threading.Thread):
     """Every `interval_s`, the command line, parent and job of each process not seen before (by pid and start time);
     a young process's command line is read again for a second (a fork runs its parent's until it execs)."""
 
-    def __init__(self, interval_s: float = 0.2, proc: Path = Path("/proc")):
+    def __init__(self, interval_s: float = 0.2, proc: Path = Path("/proc"), variable: str = JOB_VARIABLE):
         super().__init__(daemon=True)
-        self.interval_s, self.proc = interval_s, proc
+        self.interval_s, self.proc, self.variable = interval_s, proc, variable
         self.seen: dict[tuple[int, int], Seen] = {}
         self.done = threading.Event()
         self.tick = os.sysconf("SC_CLK_TCK")
@@ -126,7 +127,7 @@ class Recorder(threading.Thread):
                 environ = (self.proc / name / "environ").read_bytes().split(b"\0")
             except (OSError, ValueError, IndexError):
                 continue
-            prefix = JOB_VARIABLE.encode() + b"="
+            prefix = self.variable.encode() + b"="
             job = next((item[len(prefix):].decode(errors="replace") for item in environ if item.startswith(prefix)), "")
             self.seen[key] = Seen(key[0], int(fields[1]), self.boot + key[1] / self.tick, command.strip(), job, now)
 

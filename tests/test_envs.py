@@ -117,8 +117,7 @@ def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_pa
     """.ci/measure --cpu-by-job: accounting records in the kernel's acct_v3 layout (comp_t's base-8 exponent
     included) are read back, and each is given the job its recorded process (or its nearest ancestor, or for one
     never recorded its parent) carries in its environment, as read from this machine's /proc."""
-    from suite import JOB_VARIABLE
-
+    probe = "MAZE_GRPO_TEST_JOB_PROBE"  # not the suite's own variable: a measured run's table never shows this test's job
     def record(pid, ppid, started, utime, stime=0, comm=b"python"):
         return cpu_accounting.RECORD.pack(0, 3, 0, 0, 0, 0, pid, ppid, started, 150.0, utime, stime, *[0] * 6, comm)
 
@@ -134,10 +133,10 @@ def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_pa
 
     # The real /proc: a job's process, its child with an environment of its own, and a process of no job.
     sleeper = [sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])"]
-    job = subprocess.Popen([*sleeper, "env", "-i", "sleep", "30"], env={**os.environ, JOB_VARIABLE: "tests-probe"})
-    stranger = subprocess.Popen(["sleep", "30"], env={k: v for k, v in os.environ.items() if k != JOB_VARIABLE})
+    job = subprocess.Popen([*sleeper, "env", "-i", "sleep", "30"], env={**os.environ, probe: "tests-probe"})
+    stranger = subprocess.Popen(["sleep", "30"], env={k: v for k, v in os.environ.items() if k != probe})
     try:
-        recorder = cpu_accounting.Recorder()
+        recorder = cpu_accounting.Recorder(variable=probe)
         deadline = time.time() + 20
         while time.time() < deadline:
             recorder.scan()
