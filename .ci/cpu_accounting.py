@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import struct
 import sys
@@ -184,3 +185,16 @@ def report(attributed: list[tuple[Exited, str, str]], machine_cpu_s: float, top:
         lines.append(f"{record.cpu_s:7.1f} {record.wall_s:7.1f}  {job:<22} {' '.join(command.split())[:160]}")
     line = "cpu by job: " + " | ".join(f"{job} {seconds:,.0f}" for job, seconds in cpu.most_common())
     return "\n".join(lines) + "\n", line
+
+
+def write_processes(path: Path, attributed: list[tuple[Exited, str, str]], seen: list[Seen]) -> None:
+    """Writes one JSON line per accounting record: pid, its parent when first seen (else the record's, after any
+    reparenting), job, CPU-seconds, lifetime, start (epoch seconds) and command; the heaviest first."""
+    parents = {(p.pid, int(p.started)): p.ppid for p in seen}
+    with open(path, "w") as out:
+        for record, job, command in sorted(attributed, key=lambda item: -item[0].cpu_s):
+            ppid = next((parents[key] for key in ((record.pid, record.started + d) for d in (0, -1, 1, -2, 2))
+                         if key in parents), record.ppid)
+            out.write(json.dumps({"pid": record.pid, "ppid": ppid, "job": job, "cpu_s": round(record.cpu_s, 2),
+                                  "wall_s": round(record.wall_s, 2), "started": record.started,
+                                  "command": " ".join(command.split())}) + "\n")

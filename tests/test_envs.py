@@ -2,6 +2,7 @@
 settings reach uv (uv_pip.py); .ci/measure refuses what it must not do, and says which job spent the CPU."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -157,6 +158,11 @@ def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_pa
         table, line = cpu_accounting.report(cpu_accounting.attribute(exited, known), 10.0)
         assert line == "cpu by job: outside the jobs 5 | tests-probe 4", line
         assert "tests-probe" in table and "sleep 30" in table
+        cpu_accounting.write_processes(tmp_path / "processes.jsonl", cpu_accounting.attribute(exited, known), known)
+        rows = [json.loads(line) for line in (tmp_path / "processes.jsonl").read_text().splitlines()]
+        assert [row["cpu_s"] for row in rows] == [4.0, 2.0, 1.0, 1.0, 1.0], "the heaviest first"
+        assert rows[1]["command"] == "cc1plus" and rows[1]["ppid"] == child.pid and rows[1]["job"] == "tests-probe"
+        assert {row["ppid"] for row in rows if row["command"] == "sleep 30"} >= {job.pid}, rows
     finally:
         for proc in (job, stranger):
             proc.kill()
