@@ -29,7 +29,13 @@ if ! command -v debootstrap >/dev/null; then
 fi
 
 ROOTFS="$(mktemp -d /tmp/maze-grpo-rootfs.XXXXXX)"
-trap 'rm -rf "$ROOTFS"' EXIT
+# debootstrap mounts the target's /proc (and may mount more) while it runs; one that dies half-way leaves them
+# mounted, and a plain rm -rf would walk into them: unmount whatever is under the rootfs, then stay on its file system.
+cleanup() {
+  grep -o " $ROOTFS/[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount -l 2>/dev/null || true
+  rm -rf --one-file-system "$ROOTFS"
+}
+trap cleanup EXIT
 echo "debootstrap $SUITE into $ROOTFS (about 90 s)"
 debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
   "$SUITE" "$ROOTFS" "$MIRROR" >"$ROOTFS.log" 2>&1 || { tail -20 "$ROOTFS.log" >&2; rm -f "$ROOTFS.log"; exit 1; }
