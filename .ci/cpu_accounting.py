@@ -93,7 +93,8 @@ class Recorder(threading.Thread):
 
     def __init__(self, interval_s: float = 0.2, proc: Path = Path("/proc"), variable: str = JOB_VARIABLE):
         super().__init__(daemon=True)
-        self.interval_s, self.proc, self.variable = interval_s, proc, variable
+        self.interval_s, self.proc = interval_s, proc
+        self.prefix = variable.encode() + b"="
         self.seen: dict[tuple[int, int], Seen] = {}
         self.done = threading.Event()
         self.tick = os.sysconf("SC_CLK_TCK")
@@ -128,15 +129,16 @@ class Recorder(threading.Thread):
                 environ = (self.proc / name / "environ").read_bytes().split(b"\0")
             except (OSError, ValueError, IndexError):
                 continue
-            prefix = self.variable.encode() + b"="
-            job = next((item[len(prefix):].decode(errors="replace") for item in environ if item.startswith(prefix)), "")
+            job = next((item[len(self.prefix):].decode(errors="replace") for item in environ
+                        if item.startswith(self.prefix)), "")
             self.seen[key] = Seen(key[0], int(fields[1]), self.boot + key[1] / self.tick, command.strip(), job, now)
 
 
-def attribute(records: list[Exited], seen: list[Seen]) -> list[tuple[Exited, str, str]]:
-    """Returns (record, job, command) for each record: the recorded process of the same pid that started within 2 s
-    of it, its job its own or its nearest recorded ancestor's; a process never recorded (it lived under 0.2 s)
-    takes its parent's job, and its name for a command."""
+def attribute(records: list[Exited], seen: list[Seen]) -> list[tuple[Exited, str, str, int]]:
+    """Returns (record, job, command, parent pid) for each record: the recorded process of the same pid that started
+    within 2 s of it, its job its own or its nearest recorded ancestor's, its parent the one it had when first seen;
+    a process never recorded (it lived under 0.2 s) takes its parent's job, its name for a command and the record's
+    parent."""
     by_pid: dict[int, list[Seen]] = {}
     for process in seen:
         by_pid.setdefault(process.pid, []).append(process)
@@ -145,32 +147,32 @@ def attribute(records: list[Exited], seen: list[Seen]) -> list[tuple[Exited, str
         near = [p for p in by_pid.get(pid, []) if abs(p.started - started) <= 2]
         return min(near, key=lambda p: abs(p.started - started)) if near else None
 
-    def job_of(process: Seen) -> str:
+    def parent(ppid: int, started: float) -> Seen | None:
+        """The latest recorded process of pid `ppid` started before a child started at `started`."""
+        candidates = [p for p in by_pid.get(ppid, []) if p.started <= started + 2]
+        return max(candidates, key=lambda p: p.started) if candidates else None
+
+    def job_of(process: Seen | None) -> str:
         for _ in range(64):
-            if process.job:
-                return process.job
-            parents = [p for p in by_pid.get(process.ppid, []) if p.started <= process.started + 2]
-            if not parents:
-                return ""
-            process = max(parents, key=lambda p: p.started)
-        return ""
+            if process is None or process.job:
+                break
+            process = parent(process.ppid, process.started)
+        return process.job if process else ""
 
     out = []
     for record in records:
         process = find(record.pid, record.started)
         if process:
-            out.append((record, job_of(process) or OUTSIDE, process.command or record.comm))
-            continue
-        parents = [p for p in by_pid.get(record.ppid, []) if p.started <= record.started + 2]
-        job = job_of(max(parents, key=lambda p: p.started)) if parents else ""
-        out.append((record, job or OUTSIDE, record.comm))
+            out.append((record, job_of(process) or OUTSIDE, process.command or record.comm, process.ppid))
+        else:
+            out.append((record, job_of(parent(record.ppid, record.started)) or OUTSIDE, record.comm, record.ppid))
     return out
 
 
-def report(attributed: list[tuple[Exited, str, str]], machine_cpu_s: float, top: int = 30) -> tuple[str, str]:
+def report(attributed: list[tuple[Exited, str, str, int]], machine_cpu_s: float, top: int = 30) -> tuple[str, str]:
     """Returns (a table of CPU-seconds by job and the processes that took the most, one line by job)."""
     cpu, count = Counter(), Counter()
-    for record, job, _ in attributed:
+    for record, job, *_ in attributed:
         cpu[job] += record.cpu_s
         count[job] += 1
     total = sum(cpu.values())
@@ -181,20 +183,17 @@ def report(attributed: list[tuple[Exited, str, str]], machine_cpu_s: float, top:
         lines.append(f"{job:<24} {seconds:8.1f} {100 * seconds / max(total, 1e-9):5.1f}% {count[job]:9,}")
     lines += ["", f"the {top} processes that took the most (wall: how long each lived):",
               f"{'CPU-s':>7} {'wall-s':>7}  {'job':<22} command"]
-    for record, job, command in sorted(attributed, key=lambda item: -item[0].cpu_s)[:top]:
+    for record, job, command, _ in sorted(attributed, key=lambda item: -item[0].cpu_s)[:top]:
         lines.append(f"{record.cpu_s:7.1f} {record.wall_s:7.1f}  {job:<22} {' '.join(command.split())[:160]}")
     line = "cpu by job: " + " | ".join(f"{job} {seconds:,.0f}" for job, seconds in cpu.most_common())
     return "\n".join(lines) + "\n", line
 
 
-def write_processes(path: Path, attributed: list[tuple[Exited, str, str]], seen: list[Seen]) -> None:
-    """Writes one JSON line per accounting record: pid, its parent when first seen (else the record's, after any
-    reparenting), job, CPU-seconds, lifetime, start (epoch seconds) and command; the heaviest first."""
-    parents = {(p.pid, int(p.started)): p.ppid for p in seen}
+def write_processes(path: Path, attributed: list[tuple[Exited, str, str, int]]) -> None:
+    """Writes one JSON line per accounting record: pid, parent, job, CPU-seconds, lifetime, start (epoch seconds) and
+    command; the heaviest first."""
     with open(path, "w") as out:
-        for record, job, command in sorted(attributed, key=lambda item: -item[0].cpu_s):
-            ppid = next((parents[key] for key in ((record.pid, record.started + d) for d in (0, -1, 1, -2, 2))
-                         if key in parents), record.ppid)
+        for record, job, command, ppid in sorted(attributed, key=lambda item: -item[0].cpu_s):
             out.write(json.dumps({"pid": record.pid, "ppid": ppid, "job": job, "cpu_s": round(record.cpu_s, 2),
                                   "wall_s": round(record.wall_s, 2), "started": record.started,
                                   "command": " ".join(command.split())}) + "\n")

@@ -153,12 +153,12 @@ def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_pa
         exited.append(cpu_accounting.Exited(job.pid, 0, int(seen[job.pid].started) - 3600, 4.0, 1.0, "old"))  # pid reused
         # Only these three as recorded (this test's own process may carry a job of its own, under make test)
         known = [seen[job.pid], child, seen[stranger.pid]]
-        jobs = [job_name for _, job_name, _ in cpu_accounting.attribute(exited, known)]
+        jobs = [job_name for _, job_name, *_ in cpu_accounting.attribute(exited, known)]
         assert jobs == ["tests-probe", "tests-probe", cpu_accounting.OUTSIDE, "tests-probe", cpu_accounting.OUTSIDE], jobs
         table, line = cpu_accounting.report(cpu_accounting.attribute(exited, known), 10.0)
         assert line == "cpu by job: outside the jobs 5 | tests-probe 4", line
         assert "tests-probe" in table and "sleep 30" in table
-        cpu_accounting.write_processes(tmp_path / "processes.jsonl", cpu_accounting.attribute(exited, known), known)
+        cpu_accounting.write_processes(tmp_path / "processes.jsonl", cpu_accounting.attribute(exited, known))
         rows = [json.loads(line) for line in (tmp_path / "processes.jsonl").read_text().splitlines()]
         assert [row["cpu_s"] for row in rows] == [4.0, 2.0, 1.0, 1.0, 1.0], "the heaviest first"
         assert rows[1]["command"] == "cc1plus" and rows[1]["ppid"] == child.pid and rows[1]["job"] == "tests-probe"
