@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -106,12 +107,42 @@ def test_ci_measure_refuses_in_one_line_and_touches_nothing(tmp_path):
         assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and words in proc.stderr, (args, proc.stderr)
     assert theirs.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "theirs"]
     # Too little disk for a run (four kept clones once filled this machine's): refused before anything is made.
+    env = {**os.environ, "CI_MEASURE_NEEDS_GB": "1e9", "CI_MEASURE_LOCK": str(tmp_path / "lock")}  # not a real run's lock
     full = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")], capture_output=True,
-                          text=True, env={**os.environ, "CI_MEASURE_NEEDS_GB": "1e9"})
+                          text=True, env=env)
     assert full.returncode == 2 and full.stderr.strip().count("\n") == 0 and "GB free on the disk of --out" in full.stderr, full.stderr
     assert not (tmp_path / "m").exists(), "refused before anything was made"
     help_text = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "--half-cpu" in help_text.stdout and "--fresh" in help_text.stdout
+
+
+def test_ci_measure_refuses_while_another_measurement_runs(tmp_path):
+    """Two measurements at once purged each other's installs and timed each other's work (docs/experiments.md): a
+    second one, whatever its --out, is refused in one line naming the first, before anything is made."""
+    lock = tmp_path / "measure.lock"
+    env = {**os.environ, "CI_MEASURE_LOCK": str(lock)}
+    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import fcntl, os, sys, time
+        fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, b"pid 4242, started earlier: .ci/measure --out /elsewhere")
+        print("held", flush=True)
+        time.sleep(60)""")
+        , str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        second = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")],
+                                capture_output=True, text=True, env=env)
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode == 2 and second.stderr.strip().count("\n") == 0, second.stderr
+    assert "another measurement is running" in second.stderr and "pid 4242" in second.stderr, second.stderr
+    assert not (tmp_path / "m").exists(), "refused before anything was made"
+    # The lock ends with its holder, killed or not: the next measurement goes on (here to the disk check).
+    after = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")],
+                           capture_output=True, text=True, env={**env, "CI_MEASURE_NEEDS_GB": "1e9"})
+    assert after.returncode == 2 and "GB free on the disk of --out" in after.stderr, after.stderr
 
 
 def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_path):
