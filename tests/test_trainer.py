@@ -411,13 +411,20 @@ def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained, 
     assert starts[0]["settings"]["algorithm.lr"] == 0.01 and starts[-1]["settings"]["algorithm.lr"] == 1.0
     state = json.loads((run / "ckpts" / "global_step_3" / "trainer_state.json").read_text())
     assert state["settings"]["algorithm.lr"] == 1.0 and state["settings_hash"] == starts[-1]["settings_hash"]
-    # Evals on disk from other eval settings are never reused silently: a fresh start that would reuse them stops.
+    # Evals on disk from other eval settings are never reused silently: a fresh start that would reuse one stops
+    # before any work (no Ray, nothing recorded), even where that eval would come after a training step.
     fresh = shared / "runs" / "changed-evals"
     shutil.copytree(shared / "runs" / "full", fresh)
     shutil.rmtree(fresh / "ckpts")
-    proc = train(shared, "changed-evals", extra=["rollout.eval_temperature=0.5"])
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "global_step_0 was scored under other settings (eval_settings, temperature differ)" in proc.stderr, proc.stderr
+    history = (fresh / "config_history.jsonl").read_text()
+    _refused(shared, "changed-evals", "rollout.eval_temperature=0.5",
+             words=("global_step_0 was scored under other settings (eval_settings, temperature differ)",))
+    _refused(shared, "changed-evals", "rollout.eval_temperature=0.5", "schedule.eval_before_train=false",
+             words=("global_step_1 was scored under other settings (eval_settings, policy, temperature differ)",))
+    assert (fresh / "config_history.jsonl").read_text() == history, "a refused start records nothing"
+    import ray
+
+    assert not ray.is_initialized(), "refused before Ray starts"
 
 
 def _refused(shared: Path, run_id: str, *extra, words=()) -> str:

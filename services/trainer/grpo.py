@@ -32,7 +32,7 @@ from services.trainer.checkpoints import (
 )
 from services.trainer.report import export_card, landed, run_summary, warm_start_kind, write_run_report
 from services.trainer.rollout import MazeGroup, RolloutWorker, build_policy
-from services.trainer.run_evals import PolicyIdentity, RunEvals
+from services.trainer.run_evals import PolicyIdentity, RunEvals, held_out_due
 from services.trainer.sft import ensure_sft
 from services.trainer.tracking import Tracker
 from shared.config import (
@@ -136,14 +136,6 @@ class Trainer:
         self.stream = MazeStream.for_rl(cfg.env, excluded_from_training(cfg.env))
 
         step, changes = self.resume()
-        self._record_settings(step, changes)
-        self.tracker = Tracker(cfg, self.run_dir, step, replay=self._truncate_metrics(step))
-        self._start_ray()
-        # The workers share this machine's cores (on a cluster each gets its own node's), each at most as many threads
-        # as this process (torch's count: OMP_NUM_THREADS where set).
-        threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // cfg.rollout.num_workers))
-        self.workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir), threads)
-                        for _ in range(cfg.rollout.num_workers)]
         # Evaluations play a merged copy of the policy (its LoRA folded into the weights): PEFT's speed is not needed.
         self.eval_policy = MergedCopy(self.model)
         engine = LocalEngine.for_model(cfg, self.eval_policy.model, self.processor, name=cfg.model.base_model_id,
@@ -151,6 +143,16 @@ class Trainer:
         self.evals = RunEvals(cfg, self.volume, engine, self.eval_policy, *eval_sets,
                               policy=PolicyIdentity(self.base_identity, settings_hash(self.settings)),
                               allow_changed=self.allow_changed)
+        self.evals.check_ahead(step)  # a refused start records nothing and starts no Ray
+        self._record_settings(step, changes)
+        self.tracker = Tracker(cfg, self.run_dir, step, replay=self._truncate_metrics(step))
+        self.evals.keep_until(step)
+        self._start_ray()
+        # The workers share this machine's cores (on a cluster each gets its own node's), each at most as many threads
+        # as this process (torch's count: OMP_NUM_THREADS where set).
+        threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // cfg.rollout.num_workers))
+        self.workers = [RolloutWorker.remote(cfg.model_dump(mode="json"), str(base_dir), threads)
+                        for _ in range(cfg.rollout.num_workers)]
         self._sync(step)
         return step
 
@@ -254,7 +256,7 @@ class Trainer:
         self._sync(step)
         metrics["timing/sync_s"] = round(time.perf_counter() - started, 3)
         final = step == sched.total_steps
-        if (sched.eval_interval and step % sched.eval_interval == 0) or final:
+        if held_out_due(sched, step):
             metrics.update(eval_metrics(self.evals.held_out(step)))
         if step % sched.hf_save_interval == 0 or final:
             with staged_dir(self.volume.export(cfg.run_id, step)) as tmp:
@@ -348,9 +350,6 @@ class Trainer:
             saved = checkpoint_metrics(self.volume.ckpt(self.cfg.run_id, step))
             records += [saved] if saved else []
         atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-        hist = self.run_dir / "evals" / "history.jsonl"
-        kept = [r for r in read_jsonl(hist) if int(r.get("step", 0)) <= step]
-        atomic_write_text(hist, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
         return saved
 
 
