@@ -169,8 +169,43 @@ def attribute(records: list[Exited], seen: list[Seen]) -> list[tuple[Exited, str
     return out
 
 
+def trees(attributed: list[tuple[Exited, str, str, int]]) -> list[tuple[float, int, Exited, str, str]]:
+    """Returns (CPU-seconds, processes, root's record, job, root's command) of each process tree a job's own process
+    started, the heaviest first: a test's subprocess, a fixture's server or Ray head, an install step, with everything
+    under it (a Ray head's tree holds the workers of the runs that joined it). A job's own process (its parent of
+    another job or unrecorded: the one tests/suite.py started) is a tree of its own CPU only."""
+    by_pid: dict[int, list[tuple[Exited, str, str, int]]] = {}
+    for item in attributed:
+        by_pid.setdefault(item[0].pid, []).append(item)
+
+    def parent(item):
+        """The record of the item's parent pid that was alive when it started (pids are reused)."""
+        record = item[0]
+        alive = [p for p in by_pid.get(item[3], []) if p is not item
+                 and p[0].started - 1 <= record.started <= p[0].started + p[0].wall_s + 1]
+        return max(alive, key=lambda p: p[0].started) if alive else None
+
+    roots: dict[int, tuple[Exited, str, str, int]] = {}
+    for item in attributed:
+        chain = [item]
+        for _ in range(64):
+            up = parent(chain[-1])
+            if up is None or up[1] != item[1] or any(up is c for c in chain):
+                break
+            chain.append(up)
+        roots[id(item)] = chain[-2] if len(chain) > 1 else chain[-1]  # below the job's own process, or itself
+    cpu, count, root_of = Counter(), Counter(), {}
+    for item in attributed:
+        root = roots[id(item)]
+        cpu[id(root)] += item[0].cpu_s
+        count[id(root)] += 1
+        root_of[id(root)] = root
+    return [(seconds, count[key], root_of[key][0], root_of[key][1], root_of[key][2]) for key, seconds in cpu.most_common()]
+
+
 def report(attributed: list[tuple[Exited, str, str, int]], machine_cpu_s: float, top: int = 30) -> tuple[str, str]:
-    """Returns (a table of CPU-seconds by job and the processes that took the most, one line by job)."""
+    """Returns (a table of CPU-seconds by job, the processes and the process trees that took the most; one line by
+    job)."""
     cpu, count = Counter(), Counter()
     for record, job, *_ in attributed:
         cpu[job] += record.cpu_s
@@ -185,6 +220,11 @@ def report(attributed: list[tuple[Exited, str, str, int]], machine_cpu_s: float,
               f"{'CPU-s':>7} {'wall-s':>7}  {'job':<22} command"]
     for record, job, command, _ in sorted(attributed, key=lambda item: -item[0].cpu_s)[:top]:
         lines.append(f"{record.cpu_s:7.1f} {record.wall_s:7.1f}  {job:<22} {' '.join(command.split())[:160]}")
+    lines += ["", f"the {top} process trees that took the most (each a process a job's own process started, with "
+              "everything under it; wall: how long its first process lived):",
+              f"{'CPU-s':>7} {'wall-s':>7} {'procs':>6}  {'job':<22} command"]
+    for seconds, processes, record, job, command in trees(attributed)[:top]:
+        lines.append(f"{seconds:7.1f} {record.wall_s:7.1f} {processes:6,}  {job:<22} {' '.join(command.split())[:160]}")
     line = "cpu by job: " + " | ".join(f"{job} {seconds:,.0f}" for job, seconds in cpu.most_common())
     return "\n".join(lines) + "\n", line
 

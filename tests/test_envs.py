@@ -198,3 +198,29 @@ def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_pa
         for proc in (job, stranger):
             proc.kill()
             proc.wait()
+
+
+def test_cpu_by_tree_sums_each_subprocess_under_the_jobs_own_process():
+    """cpu-by-job.txt's trees: everything under each process a job's own process started is one tree, a pid reused
+    later starts a tree of its own, and the job's own process is a tree of its own CPU only."""
+    def item(pid, ppid, started, cpu_s, job="tests-x", command=None, wall_s=50.0):
+        return cpu_accounting.Exited(pid, ppid, started, cpu_s, wall_s, "c"), job, command or f"p{pid}", ppid
+
+    attributed = [
+        item(1, 0, 0, 0.5, job=cpu_accounting.OUTSIDE, command="tests/suite.py", wall_s=1000),
+        item(10, 1, 10, 2.0, command="pytest", wall_s=900),  # the job's own process
+        item(11, 10, 20, 1.0, command="ray start --head"),  # a fixture's Ray head ...
+        item(12, 11, 21, 3.0, command="raylet"),  # ... whose worker ran a test's rollouts
+        item(13, 12, 22, 4.0, command="ray::IDLE"),
+        item(14, 10, 30, 5.0, command="python -m services.trainer"),  # a test's subprocess
+        item(11, 10, 500, 0.25, command="python -m services.evaluator"),  # pid 11 again, long after the first ended
+        item(20, 1, 10, 7.0, job="engine", command="dockerd", wall_s=1000),  # another job's own process
+    ]
+    rows = [(seconds, processes, job, command) for seconds, processes, _, job, command in cpu_accounting.trees(attributed)]
+    assert rows == [(8.0, 3, "tests-x", "ray start --head"), (7.0, 1, "engine", "dockerd"),
+                    (5.0, 1, "tests-x", "python -m services.trainer"), (2.0, 1, "tests-x", "pytest"),
+                    (0.5, 1, cpu_accounting.OUTSIDE, "tests/suite.py"),
+                    (0.25, 1, "tests-x", "python -m services.evaluator")], rows
+    table, _ = cpu_accounting.report(attributed, 20.0)
+    assert "process trees that took the most" in table and "ray start --head" in table.split("process trees")[1]
+
