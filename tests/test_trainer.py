@@ -422,6 +422,14 @@ def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained, 
     _refused(shared, "changed-evals", "rollout.eval_temperature=0.5", "schedule.eval_before_train=false",
              words=("global_step_1 was scored under other settings (eval_settings, policy, temperature differ)",))
     assert (fresh / "config_history.jsonl").read_text() == history, "a refused start records nothing"
+    # A resume whose checkpoint's settings still hold (rollout.eval_samples decides no training) but whose last eval
+    # would reuse the warm start's sampled one, scored with other samples per maze: refused before the steps it adds.
+    resumed = shared / "runs" / "more-samples"
+    shutil.copytree(shared / "runs" / "full", resumed)
+    history = (resumed / "config_history.jsonl").read_text()
+    _refused(shared, "more-samples", "rollout.eval_samples=3", "schedule.total_steps=3",
+             words=("extended_sampled_step_0 was scored under other settings (samples_per_maze differ)",))
+    assert (resumed / "config_history.jsonl").read_text() == history, "a refused start records nothing"
     import ray
 
     assert not ray.is_initialized(), "refused before Ray starts"
