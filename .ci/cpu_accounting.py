@@ -173,7 +173,8 @@ def trees(attributed: list[tuple[Exited, str, str, int]]) -> list[tuple[float, i
     """Returns (CPU-seconds, processes, root's record, job, root's command) of each process tree a job's own process
     started, the heaviest first: a test's subprocess, a fixture's server or Ray head, an install step, with everything
     under it (a Ray head's tree holds the workers of the runs that joined it). A job's own process (its parent of
-    another job or unrecorded: the one tests/suite.py started) is a tree of its own CPU only."""
+    another job: the one tests/suite.py started) is a tree of its own CPU only; processes under an unrecorded parent
+    (one alive when the accounting stopped, or init for a daemon) make one tree under their top."""
     by_pid: dict[int, list[tuple[Exited, str, str, int]]] = {}
     for item in attributed:
         by_pid.setdefault(item[0].pid, []).append(item)
@@ -187,13 +188,16 @@ def trees(attributed: list[tuple[Exited, str, str, int]]) -> list[tuple[float, i
 
     roots: dict[int, tuple[Exited, str, str, int]] = {}
     for item in attributed:
-        chain = [item]
+        chain, own = [item], False
         for _ in range(64):
             up = parent(chain[-1])
-            if up is None or up[1] != item[1] or any(up is c for c in chain):
+            if up is None or any(up is c for c in chain):
+                break  # its top has no recorded parent (alive past the run, or adopted by init): the tree is all of it
+            if up[1] != item[1]:
+                own = True  # chain[-1] is the job's own process: the tree is what it started
                 break
             chain.append(up)
-        roots[id(item)] = chain[-2] if len(chain) > 1 else chain[-1]  # below the job's own process, or itself
+        roots[id(item)] = chain[-2] if own and len(chain) > 1 else chain[-1]
     cpu, count, root_of = Counter(), Counter(), {}
     for item in attributed:
         root = roots[id(item)]

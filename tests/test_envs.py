@@ -1,9 +1,11 @@
 """envs/: identical files become one copy on disk (link_duplicates.py); where the vLLM venv takes its torch from; pip's
 settings reach uv (uv_pip.py); .ci/measure refuses what it must not do, and says which job spent the CPU."""
 
+import fcntl
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -118,30 +120,40 @@ def test_ci_measure_refuses_in_one_line_and_touches_nothing(tmp_path):
 
 def test_ci_measure_refuses_while_another_measurement_runs(tmp_path):
     """Two measurements at once purged each other's installs and timed each other's work (docs/experiments.md): a
-    second one, whatever its --out, is refused in one line naming the first, before anything is made."""
+    second one, whatever its --out, is refused in one line naming the first, before anything is made. The first
+    hands the lock to its run, so one killed with SIGKILL still keeps the next out until that run ends."""
     lock = tmp_path / "measure.lock"
     env = {**os.environ, "CI_MEASURE_LOCK": str(lock)}
+    # The first measurement's own code takes the lock and starts its run (here `sleep`), then dies as under SIGKILL.
     first = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import fcntl, os, sys, time
-        fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, b"pid 4242, started earlier: .ci/measure --out /elsewhere")
-        print("held", flush=True)
-        time.sleep(60)""")
-        , str(lock)], stdout=subprocess.PIPE, text=True)
+        import importlib.machinery, importlib.util, os, subprocess, sys
+        loader = importlib.machinery.SourceFileLoader("measure", sys.argv[1])
+        measure = importlib.util.module_from_spec(importlib.util.spec_from_loader("measure", loader))
+        loader.exec_module(measure)
+        fd = measure.hold_the_lock(measure.Path(sys.argv[2]))
+        run = subprocess.Popen(["sleep", "60"], pass_fds=(fd,), start_new_session=True)
+        print(run.pid, flush=True)
+        os._exit(0)"""), str(ROOT / ".ci" / "measure"), str(lock)], stdout=subprocess.PIPE, text=True)
+    run_pid = int(first.stdout.readline())
+    first.wait()
     try:
-        assert first.stdout.readline().strip() == "held"
         second = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")],
                                 capture_output=True, text=True, env=env)
+        assert second.returncode == 2 and second.stderr.strip().count("\n") == 0, second.stderr
+        assert "another measurement is running" in second.stderr and f"pid {first.pid}," in second.stderr, second.stderr
+        assert not (tmp_path / "m").exists(), "refused before anything was made"
+        with open(lock) as held, pytest.raises(BlockingIOError):
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # exclusive: no other taker either
     finally:
-        first.kill()
-        first.wait()
-    assert second.returncode == 2 and second.stderr.strip().count("\n") == 0, second.stderr
-    assert "another measurement is running" in second.stderr and "pid 4242" in second.stderr, second.stderr
-    assert not (tmp_path / "m").exists(), "refused before anything was made"
-    # The lock ends with its holder, killed or not: the next measurement goes on (here to the disk check).
-    after = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")],
-                           capture_output=True, text=True, env={**env, "CI_MEASURE_NEEDS_GB": "1e9"})
+        os.kill(run_pid, signal.SIGKILL)
+    # The lock ends with the run: the next measurement goes on (here to the disk check).
+    deadline = time.time() + 10
+    while True:
+        after = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")],
+                               capture_output=True, text=True, env={**env, "CI_MEASURE_NEEDS_GB": "1e9"})
+        if "another measurement" not in after.stderr or time.time() > deadline:
+            break
+        time.sleep(0.2)
     assert after.returncode == 2 and "GB free on the disk of --out" in after.stderr, after.stderr
 
 
@@ -202,7 +214,8 @@ def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_pa
 
 def test_cpu_by_tree_sums_each_subprocess_under_the_jobs_own_process():
     """cpu-by-job.txt's trees: everything under each process a job's own process started is one tree, a pid reused
-    later starts a tree of its own, and the job's own process is a tree of its own CPU only."""
+    later starts a tree of its own, the job's own process is a tree of its own CPU only, and processes under an
+    unrecorded parent are one tree under their top."""
     def item(pid, ppid, started, cpu_s, job="tests-x", command=None, wall_s=50.0):
         return cpu_accounting.Exited(pid, ppid, started, cpu_s, wall_s, "c"), job, command or f"p{pid}", ppid
 
@@ -215,10 +228,13 @@ def test_cpu_by_tree_sums_each_subprocess_under_the_jobs_own_process():
         item(14, 10, 30, 5.0, command="python -m services.trainer"),  # a test's subprocess
         item(11, 10, 500, 0.25, command="python -m services.evaluator"),  # pid 11 again, long after the first ended
         item(20, 1, 10, 7.0, job="engine", command="dockerd", wall_s=1000),  # another job's own process
+        item(30, 999, 40, 1.5, job="engine", command="containerd-shim"),  # its parent unrecorded (init, say) ...
+        item(31, 30, 41, 1.5, job="engine", command="runc init"),  # ... so it and what it started are one tree
     ]
     rows = [(seconds, processes, job, command) for seconds, processes, _, job, command in cpu_accounting.trees(attributed)]
     assert rows == [(8.0, 3, "tests-x", "ray start --head"), (7.0, 1, "engine", "dockerd"),
-                    (5.0, 1, "tests-x", "python -m services.trainer"), (2.0, 1, "tests-x", "pytest"),
+                    (5.0, 1, "tests-x", "python -m services.trainer"), (3.0, 2, "engine", "containerd-shim"),
+                    (2.0, 1, "tests-x", "pytest"),
                     (0.5, 1, cpu_accounting.OUTSIDE, "tests/suite.py"),
                     (0.25, 1, "tests-x", "python -m services.evaluator")], rows
     table, _ = cpu_accounting.report(attributed, 20.0)
