@@ -91,9 +91,9 @@ class RunEvals:
         return summary
 
     def check_ahead(self, step: int) -> None:
-        """Stops a start that goes on after `step` before any work, where an eval it would reuse on its way was scored
-        under another identity: the refusal `evaluation` makes, which would otherwise come at that eval, after Ray's
-        start and the training before it."""
+        """Stops a start from `step` before it is recorded and before Ray starts, where an eval it would reach on its
+        way is on disk scored under another identity: the refusal `evaluation` makes, which would otherwise come at
+        that eval, after Ray's start and the training steps before it."""
         if self.allow_changed:
             return  # nothing is refused: those evals are scored again when their turn comes
         sched = self.cfg.schedule
