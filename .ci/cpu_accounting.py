@@ -186,7 +186,7 @@ def trees(attributed: list[tuple[Exited, str, str, int]]) -> list[tuple[float, i
                  and p[0].started - 1 <= record.started <= p[0].started + p[0].wall_s + 1]
         return max(alive, key=lambda p: p[0].started) if alive else None
 
-    roots: dict[int, tuple[Exited, str, str, int]] = {}
+    cpu, count, root_of = Counter(), Counter(), {}
     for item in attributed:
         chain, own = [item], False
         for _ in range(64):
@@ -197,14 +197,11 @@ def trees(attributed: list[tuple[Exited, str, str, int]]) -> list[tuple[float, i
                 own = True  # chain[-1] is the job's own process: the tree is what it started
                 break
             chain.append(up)
-        roots[id(item)] = chain[-2] if own and len(chain) > 1 else chain[-1]
-    cpu, count, root_of = Counter(), Counter(), {}
-    for item in attributed:
-        root = roots[id(item)]
+        root = chain[-2] if own and len(chain) > 1 else chain[-1]
         cpu[id(root)] += item[0].cpu_s
         count[id(root)] += 1
         root_of[id(root)] = root
-    return [(seconds, count[key], root_of[key][0], root_of[key][1], root_of[key][2]) for key, seconds in cpu.most_common()]
+    return [(seconds, count[key], *root_of[key][:3]) for key, seconds in cpu.most_common()]
 
 
 def report(attributed: list[tuple[Exited, str, str, int]], machine_cpu_s: float, top: int = 30) -> tuple[str, str]:

@@ -24,6 +24,13 @@ uv_spec.loader.exec_module(uv_pip)
 sys.path.insert(0, str(ROOT / ".ci"))
 import cpu_accounting  # noqa: E402  (.ci/cpu_accounting.py)
 
+MEASURE = ROOT / ".ci" / "measure"
+
+
+def measure(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs .ci/measure with `args`, its output captured."""
+    return subprocess.run([sys.executable, str(MEASURE), *args], capture_output=True, text=True, env=env)
+
 
 def write(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,16 +112,15 @@ def test_ci_measure_refuses_in_one_line_and_touches_nothing(tmp_path):
     cases = ((["--fresh"], "add --yes to go on"), (["--ref", "no-such-commit"], "--ref no-such-commit: no such commit"),
              (["--out", str(ROOT)], "holds this checkout"), (["--out", str(theirs.parent)], "holds files of its own"))
     for args, words in cases:
-        proc = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), *args], capture_output=True, text=True)
+        proc = measure(*args)
         assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and words in proc.stderr, (args, proc.stderr)
     assert theirs.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "theirs"]
     # Too little disk for a run (four kept clones once filled this machine's): refused before anything is made.
     env = {**os.environ, "CI_MEASURE_NEEDS_GB": "1e9", "CI_MEASURE_LOCK": str(tmp_path / "lock")}  # not a real run's lock
-    full = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")], capture_output=True,
-                          text=True, env=env)
+    full = measure("--out", str(tmp_path / "m"), env=env)
     assert full.returncode == 2 and full.stderr.strip().count("\n") == 0 and "GB free on the disk of --out" in full.stderr, full.stderr
     assert not (tmp_path / "m").exists(), "refused before anything was made"
-    help_text = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--help"], capture_output=True, text=True)
+    help_text = measure("--help")
     assert help_text.returncode == 0 and "--half-cpu" in help_text.stdout and "--fresh" in help_text.stdout
 
 
@@ -133,12 +139,11 @@ def test_ci_measure_refuses_while_another_measurement_runs(tmp_path):
         fd = measure.hold_the_lock(measure.Path(sys.argv[2]))
         run = subprocess.Popen(["sleep", "60"], pass_fds=(fd,), start_new_session=True)
         print(run.pid, flush=True)
-        os._exit(0)"""), str(ROOT / ".ci" / "measure"), str(lock)], stdout=subprocess.PIPE, text=True)
+        os._exit(0)"""), str(MEASURE), str(lock)], stdout=subprocess.PIPE, text=True)
     run_pid = int(first.stdout.readline())
     first.wait()
     try:
-        second = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")],
-                                capture_output=True, text=True, env=env)
+        second = measure("--out", str(tmp_path / "m"), env=env)
         assert second.returncode == 2 and second.stderr.strip().count("\n") == 0, second.stderr
         assert "another measurement is running" in second.stderr and f"pid {first.pid}," in second.stderr, second.stderr
         assert not (tmp_path / "m").exists(), "refused before anything was made"
@@ -149,8 +154,7 @@ def test_ci_measure_refuses_while_another_measurement_runs(tmp_path):
     # The lock ends with the run: the next measurement goes on (here to the disk check).
     deadline = time.time() + 10
     while True:
-        after = subprocess.run([sys.executable, str(ROOT / ".ci" / "measure"), "--out", str(tmp_path / "m")],
-                               capture_output=True, text=True, env={**env, "CI_MEASURE_NEEDS_GB": "1e9"})
+        after = measure("--out", str(tmp_path / "m"), env={**env, "CI_MEASURE_NEEDS_GB": "1e9"})
         if "another measurement" not in after.stderr or time.time() > deadline:
             break
         time.sleep(0.2)

@@ -412,7 +412,7 @@ def test_changed_settings_stop_a_resume_and_an_eval_reuse_unless_asked(trained, 
     state = json.loads((run / "ckpts" / "global_step_3" / "trainer_state.json").read_text())
     assert state["settings"]["algorithm.lr"] == 1.0 and state["settings_hash"] == starts[-1]["settings_hash"]
     # Evals on disk from other eval settings are never reused silently: a fresh start that would reuse one stops
-    # before any work (no Ray, nothing recorded), even where that eval would come after a training step.
+    # before Ray starts and before anything is recorded, even where that eval would come after a training step.
     fresh = shared / "runs" / "changed-evals"
     shutil.copytree(shared / "runs" / "full", fresh)
     shutil.rmtree(fresh / "ckpts")
