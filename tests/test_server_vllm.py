@@ -144,10 +144,11 @@ def failing_server(tiny_model_dir, s3_endpoint, shared_dir, tmp_path_factory):
     if BUCKET not in {b["Name"] for b in s3_client(s3_endpoint).list_buckets()["Buckets"]}:
         s3_client(s3_endpoint).create_bucket(Bucket=BUCKET)
     log = tmp_path_factory.mktemp("failing") / "server.log"
+    started = time.time()
     # On the first core: the module's server takes the last, so the two start-ups still run side by side.
     proc = _launch(_env(shared_dir, s3_endpoint), _overrides(tiny_model_dir, free_port(), "server.kv_cache_bytes=1048576"), log,
                    core=0)
-    yield proc, log
+    yield proc, log, started
     _stop(proc)
 
 
@@ -155,7 +156,7 @@ def failing_server(tiny_model_dir, s3_endpoint, shared_dir, tmp_path_factory):
 def test_an_engine_that_cannot_start_says_why_in_one_line(failing_server, vllm_server):
     """A KV cache the model's context does not fit in: only vLLM's engine finds out, after its start-up. (A damaged
     model is refused before any engine starts: test_hostile_input.py.)"""
-    proc, log = failing_server
+    proc, log, _ = failing_server
     try:
         proc.wait(timeout=480)
     except subprocess.TimeoutExpired:
@@ -164,6 +165,17 @@ def test_an_engine_that_cannot_start_says_why_in_one_line(failing_server, vllm_s
     assert proc.returncode != 0 and not [line for line in text.splitlines() if line.startswith("serving ")], text[-3000:]
     last = text.strip().splitlines()[-1]
     assert last.startswith("error: the vLLM engine did not start: ") and "kv cache" in last.lower(), last
+
+
+@needs_vllm
+def test_the_engines_read_the_model_info_that_vllm_env_cached(failing_server, vllm_server):
+    """`make vllm-env` answers vLLM's model-registry inspection of the served class once (envs/vllm-cpu/check.py); an
+    engine that finds no answer runs it in a process of its own and writes the file again. Both servers have started
+    their engines by now, so a file newer than their start means one of them paid for it."""
+    root = Path(os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
+    cached = list((root / "modelinfos").glob("*-Qwen3VLForConditionalGeneration.json"))
+    assert cached, f"no model info for Qwen3VLForConditionalGeneration under {root}/modelinfos: run `make vllm-env`"
+    assert all(path.stat().st_mtime < failing_server[2] for path in cached), "an engine inspected the model class again"
 
 
 @pytest.fixture(scope="module")
