@@ -117,7 +117,7 @@ lock: ## Refresh envs/locks/: rebuild .venv's and .venv-skyrl's installs from py
 	@echo "envs/vllm-cpu/requirements.txt is .venv-vllm's lock, kept by hand (its header says how)"
 
 lint: setup ## Ruff over the code
-	$(PY) -m ruff check shared services tests bench docker envs deploy .ci/measure .ci/cpu_accounting.py
+	$(PY) -m ruff check shared services tests bench docker envs deploy .ci/measure .ci/cpu_accounting.py .ci/speed_probe.py
 
 test-fast: ## The quick loop: lint, then the tests that start no engine, service or container, on two workers
 	$(PYTHON) tests/suite.py --fast -- $(ARGS)

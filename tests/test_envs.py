@@ -1,5 +1,6 @@
 """envs/: identical files become one copy on disk (link_duplicates.py); where the vLLM venv takes its torch from; pip's
-settings reach uv (uv_pip.py); .ci/measure refuses what it must not do, and says which job spent the CPU."""
+settings reach uv (uv_pip.py); .ci/measure refuses what it must not do, says which job spent the CPU and how fast the
+cores were."""
 
 import fcntl
 import importlib.util
@@ -159,6 +160,27 @@ def test_ci_measure_refuses_while_another_measurement_runs(tmp_path):
             break
         time.sleep(0.2)
     assert after.returncode == 2 and "GB free on the disk of --out" in after.stderr, after.stderr
+
+
+def test_the_speed_probe_reads_one_threads_speed_or_says_why_it_cannot(tmp_path):
+    """.ci/measure sets a speed reading beside each run (one machine ran twice as slow from one day to the next,
+    docs/experiments.md): the probe's line, or one line saying why there is none; never a traceback in result.txt."""
+    import importlib.machinery
+    import re
+
+    proc = subprocess.run([sys.executable, str(ROOT / ".ci" / "speed_probe.py"), "--repeats", "1"], capture_output=True,
+                          text=True, timeout=120)
+    found = re.fullmatch(r"matrix products (\d+\.\d\d) s, Python loop (\d+\.\d\d) s \(one thread, fastest of 1\)",
+                         proc.stdout.strip())
+    assert proc.returncode == 0 and found and all(float(x) > 0 for x in found.groups()), proc.stdout + proc.stderr
+    loader = importlib.machinery.SourceFileLoader("measure_probe", str(MEASURE))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("measure_probe", loader))
+    loader.exec_module(module)
+    assert module.speed_reading(tmp_path / "nothing") == f"none ({tmp_path / 'nothing'} does not exist)"
+    bare = write(tmp_path / "bare-python", f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n".encode())  # no NumPy
+    bare.chmod(0o755)
+    reading = module.speed_reading(bare)
+    assert reading.startswith("none (error: the speed probe needs NumPy") and "\n" not in reading, reading
 
 
 def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_path):
