@@ -183,6 +183,22 @@ def test_the_speed_probe_reads_one_threads_speed_or_says_why_it_cannot(tmp_path)
     assert reading.startswith("none (error: the speed probe needs NumPy") and "\n" not in reading, reading
 
 
+def test_ci_measure_names_the_slowest_tests_of_every_job():
+    """result.txt names the longest setups and calls of every job's `--durations` table, longest first."""
+    import importlib.machinery
+
+    loader = importlib.machinery.SourceFileLoader("measure_slowest", str(MEASURE))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("measure_slowest", loader))
+    loader.exec_module(module)
+    log = ["============ slowest 12 durations ============", "30.52s call     tests/test_trainer.py::test_kill",
+           "81.19s setup    tests/test_server_vllm.py::test_an_engine", "0.01s teardown tests/test_maze.py::test_x",
+           "tests: 3 passed", "12.00s call     tests/skyrl_checks/test_skyrl_chain.py::test_chain"]
+    assert module.slowest_tests(log, count=3) == ("81 s test_server_vllm.py::test_an_engine (setup); 31 s "
+                                                  "test_trainer.py::test_kill (call); 12 s "
+                                                  "skyrl_checks/test_skyrl_chain.py::test_chain (call)")
+    assert module.slowest_tests(["tests: 0 passed"]) == "none"
+
+
 def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_path):
     """.ci/measure --cpu-by-job: accounting records in the kernel's acct_v3 layout (comp_t's base-8 exponent
     included) are read back, and each is given the job its recorded process (or its nearest ancestor, or for one
