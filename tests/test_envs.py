@@ -3,6 +3,7 @@ settings reach uv (uv_pip.py); .ci/measure refuses what it must not do, says whi
 cores were."""
 
 import fcntl
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -26,6 +27,10 @@ sys.path.insert(0, str(ROOT / ".ci"))
 import cpu_accounting  # noqa: E402  (.ci/cpu_accounting.py)
 
 MEASURE = ROOT / ".ci" / "measure"
+# .ci/measure has no .py suffix: loaded by path, for the functions it builds result.txt with.
+_measure_loader = importlib.machinery.SourceFileLoader("ci_measure", str(MEASURE))
+ci_measure = importlib.util.module_from_spec(importlib.util.spec_from_loader("ci_measure", _measure_loader))
+_measure_loader.exec_module(ci_measure)
 
 
 def measure(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -165,7 +170,6 @@ def test_ci_measure_refuses_while_another_measurement_runs(tmp_path):
 def test_the_speed_probe_reads_one_threads_speed_or_says_why_it_cannot(tmp_path):
     """.ci/measure sets a speed reading beside each run (one machine ran twice as slow from one day to the next,
     docs/experiments.md): the probe's line, or one line saying why there is none; never a traceback in result.txt."""
-    import importlib.machinery
     import re
 
     proc = subprocess.run([sys.executable, str(ROOT / ".ci" / "speed_probe.py"), "--repeats", "1"], capture_output=True,
@@ -173,30 +177,22 @@ def test_the_speed_probe_reads_one_threads_speed_or_says_why_it_cannot(tmp_path)
     found = re.fullmatch(r"matrix products (\d+\.\d\d) s, Python loop (\d+\.\d\d) s \(one thread, fastest of 1\)",
                          proc.stdout.strip())
     assert proc.returncode == 0 and found and all(float(x) > 0 for x in found.groups()), proc.stdout + proc.stderr
-    loader = importlib.machinery.SourceFileLoader("measure_probe", str(MEASURE))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("measure_probe", loader))
-    loader.exec_module(module)
-    assert module.speed_reading(tmp_path / "nothing") == f"none ({tmp_path / 'nothing'} does not exist)"
+    assert ci_measure.speed_reading(tmp_path / "nothing") == f"none ({tmp_path / 'nothing'} does not exist)"
     bare = write(tmp_path / "bare-python", f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n".encode())  # no NumPy
     bare.chmod(0o755)
-    reading = module.speed_reading(bare)
+    reading = ci_measure.speed_reading(bare)
     assert reading.startswith("none (error: the speed probe needs NumPy") and "\n" not in reading, reading
 
 
 def test_ci_measure_names_the_slowest_tests_of_every_job():
     """result.txt names the longest setups and calls of every job's `--durations` table, longest first."""
-    import importlib.machinery
-
-    loader = importlib.machinery.SourceFileLoader("measure_slowest", str(MEASURE))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("measure_slowest", loader))
-    loader.exec_module(module)
     log = ["============ slowest 12 durations ============", "30.52s call     tests/test_trainer.py::test_kill",
            "81.19s setup    tests/test_server_vllm.py::test_an_engine", "0.01s teardown tests/test_maze.py::test_x",
            "tests: 3 passed", "12.00s call     tests/skyrl_checks/test_skyrl_chain.py::test_chain"]
-    assert module.slowest_tests(log, count=3) == ("81 s test_server_vllm.py::test_an_engine (setup); 31 s "
+    assert ci_measure.slowest_tests(log, count=3) == ("81 s test_server_vllm.py::test_an_engine (setup); 31 s "
                                                   "test_trainer.py::test_kill (call); 12 s "
                                                   "skyrl_checks/test_skyrl_chain.py::test_chain (call)")
-    assert module.slowest_tests(["tests: 0 passed"]) == "none"
+    assert ci_measure.slowest_tests(["tests: 0 passed"]) == "none"
 
 
 def test_cpu_by_job_reads_the_kernels_records_and_finds_each_processs_job(tmp_path):
