@@ -63,6 +63,17 @@ def commit() -> str:
         return "unknown"
 
 
+def commit_time() -> str:
+    """The HEAD commit's time (UTC) for the `created` label: a rebuild of the same commit then changes no step, so
+    it keeps every layer and the image IDs. Now, where there is no git history."""
+    try:
+        stamp = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip()
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(stamp)))
+    except (subprocess.CalledProcessError, FileNotFoundError, ValueError):
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def dockerfile_arg(name: str) -> str:
     """Returns the default of `ARG name=...` in docker/Dockerfile (the one place each pin lives)."""
     match = re.search(rf'^ARG {name}="?([^"\n]+)"?$', DOCKERFILE.read_text(), re.MULTILINE)
@@ -76,7 +87,7 @@ def labels(name: str, rev: str, base_image: str) -> dict:
         "org.opencontainers.image.title": f"maze-grpo-{name}",
         "org.opencontainers.image.version": version(),
         "org.opencontainers.image.revision": rev,
-        "org.opencontainers.image.created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "org.opencontainers.image.created": commit_time(),
         "org.opencontainers.image.source": "https://github.com/maze-grpo/maze-grpo",
         "org.opencontainers.image.description": f"maze-grpo {name} service",
         "org.opencontainers.image.base.name": base_image,

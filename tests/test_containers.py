@@ -4,6 +4,7 @@ import fnmatch
 import re
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,20 @@ def test_the_wheels_are_served_on_the_bridge_even_when_the_engine_records_no_gat
     assert build.bridge_gateway(engine([{"Subnet": "172.17.0.0/16"}])) == ""  # an address outside the bridge's subnet
     assert build.bridge_gateway(engine([{"Subnet": "127.0.0.0/8"}], interface="no-such-if0")) == ""
     assert build.bridge_gateway(engine([{"Subnet": "127.0.0.0/8"}], url="http://10.0.0.5:2375")) == ""  # not ours
+
+
+def test_a_rebuild_of_one_commit_labels_its_images_alike():
+    """The `created` label is the commit's time, not the build's: the engine adds each label as a build step of its
+    own, so a label that changed on every build re-ran those steps (and made new image IDs) each time `make images`
+    or the container tests' fixture rebuilt the same commit."""
+    import build
+
+    committed = subprocess.run(["git", "log", "-1", "--format=%cI"], cwd=REPO, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    expected = datetime.fromisoformat(committed).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    first = build.labels("evaluator", "abc1234", "maze-grpo/base:bookworm")
+    assert first["org.opencontainers.image.created"] == expected
+    assert build.labels("evaluator", "abc1234", "maze-grpo/base:bookworm") == first
 
 
 def test_make_images_without_an_engine_says_so():
