@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import http.server
 import ipaddress
@@ -63,15 +64,16 @@ def commit() -> str:
         return "unknown"
 
 
+@functools.cache
 def commit_time() -> str:
     """The HEAD commit's time (UTC) for the `created` label: a rebuild of the same commit then changes no step, so
-    it keeps every layer and the image IDs. Now, where there is no git history."""
+    it keeps every layer and the image IDs. Now, where there is no git history. Read once per build."""
     try:
-        stamp = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=ROOT, capture_output=True, text=True,
-                               check=True).stdout.strip()
-        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(stamp)))
+        seconds = int(subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=ROOT, capture_output=True, text=True,
+                                     check=True).stdout.strip())
     except (subprocess.CalledProcessError, FileNotFoundError, ValueError):
-        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        seconds = int(time.time())
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 def dockerfile_arg(name: str) -> str:

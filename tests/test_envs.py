@@ -190,8 +190,8 @@ def test_ci_measure_names_the_slowest_tests_of_every_job():
            "81.19s setup    tests/test_server_vllm.py::test_an_engine", "0.01s teardown tests/test_maze.py::test_x",
            "tests: 3 passed", "12.00s call     tests/skyrl_checks/test_skyrl_chain.py::test_chain"]
     assert ci_measure.slowest_tests(log, count=3) == ("81 s test_server_vllm.py::test_an_engine (setup); 31 s "
-                                                  "test_trainer.py::test_kill (call); 12 s "
-                                                  "skyrl_checks/test_skyrl_chain.py::test_chain (call)")
+                                                      "test_trainer.py::test_kill (call); 12 s "
+                                                      "skyrl_checks/test_skyrl_chain.py::test_chain (call)")
     assert ci_measure.slowest_tests(["tests: 0 passed"]) == "none"
 
 
