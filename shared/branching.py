@@ -9,15 +9,11 @@ their junction accuracy from `solver_decisions`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from shared.episodes import Episode, EpisodeSettings, start_episodes
 from shared.maze.actions import Action
 from shared.maze.core import Maze, moves_ahead
 from shared.maze.prompt import solver_reply
-
-if TYPE_CHECKING:
-    from shared.models.inference import ScoringEngine
+from shared.models.contract import Completion, ScoringEngine
 
 ACTIONS: list[Action] = [("move", d) for d in range(4)] + [("stop", "stop")]
 REVERSE = {0: 2, 1: 3, 2: 0, 3: 1}  # the move that undoes each move
@@ -37,8 +33,6 @@ def turn_views(episode: Episode) -> list[Maze]:
 def action_scores(engine: ScoringEngine, contexts: list[list[dict]], views: list[Maze],
                   settings: EpisodeSettings) -> list[list[float]]:
     """Returns, per context (the messages before a turn), the engine's log-probability of each of ACTIONS."""
-    from shared.models.inference import ScoringEngine  # torch: loaded already by any engine that can score
-
     if not isinstance(engine, ScoringEngine):
         raise TypeError(f"{type(engine).__name__} cannot score given replies (no score_replies): the decision probes "
                         "need an in-process engine (shared.models.inference.LocalEngine)")
@@ -48,8 +42,6 @@ def action_scores(engine: ScoringEngine, contexts: list[list[dict]], views: list
 def branch(episode: Episode, turn: int, reply: str, settings: EpisodeSettings) -> Episode:
     """Returns a fresh episode of the same maze that replays `episode`'s replies before `turn`, then plays `reply`
     at `turn` (and is live after it unless that ended it)."""
-    from shared.models.inference import Completion
-
     fresh = start_episodes([episode.maze], settings)[0]
     for played in episode.turns[:turn]:
         fresh.take(Completion(played.text, []))

@@ -2,13 +2,12 @@
 
 Every evaluation (SFT warm-start, trainer, evaluator service, server client) and every GRPO rollout
 goes through `run_episodes` / `play_episodes`. Each turn, all live episodes are sent to the engine as one batch;
-the engine is anything that keeps `shared.models.inference.Engine`'s contract. See docs/trainer.md.
+the engine is anything that keeps `shared.models.contract.Engine`'s contract. See docs/trainer.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from PIL import Image
 
@@ -17,9 +16,7 @@ from shared.maze.core import Maze, first_mistake, optimal_action_count
 from shared.maze.prompt import PromptStyle
 from shared.maze.session import MazeSession
 from shared.models.chat import assistant_turn, user_turn
-
-if TYPE_CHECKING:
-    from shared.models.inference import Engine
+from shared.models.contract import Completion, Engine
 
 _ENV, _ROLLOUT = EnvConfig(), RolloutConfig()
 
@@ -177,7 +174,6 @@ def explore_episode(maze: Maze, settings: EpisodeSettings, rng) -> Episode:
 def demonstration(maze: Maze, settings: EpisodeSettings, moves: list[int], planner: str) -> Episode:
     """Plays `moves` on `maze`, then `stop` if they end on the target, through the rollouts' turn protocol."""
     from shared.maze.prompt import solver_reply
-    from shared.models.inference import Completion
 
     episode = start_episodes([maze], settings)[0]
     for action in [("move", d) for d in moves] + [("stop", "stop")]:

@@ -174,6 +174,32 @@ def test_bad_endpoint_gets_retries_then_failed_with_reason():
     server.shutdown()
 
 
+def test_an_evaluation_through_an_endpoint_never_imports_torch(tmp_path):
+    """`--base-url` plays through HTTP only (shared/models/contract.py keeps the engine contract without torch), so an
+    evaluation of a served model starts without the seconds torch takes to import."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+    server.modes = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    argv = ["evaluator", "--base-url", f"http://127.0.0.1:{server.server_address[1]}", "--model-name", "m",
+            "--seeds", "0-1", "--out", str(tmp_path / "out"), *QUICK]
+    probe = ("import runpy, sys\n"
+             f"sys.argv = {argv!r}\n"
+             "try:\n"
+             "    runpy.run_module('services.evaluator', run_name='__main__', alter_sys=True)\n"
+             "finally:\n"
+             "    print('heavy modules:', [m for m in ('torch', 'transformers') if m in sys.modules], file=sys.stderr)\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={**os.environ, "SHARED_DIR": str(tmp_path)},
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len((tmp_path / "out" / "episodes.jsonl").read_text().splitlines()) == 2
+    assert proc.stderr.strip().splitlines()[-1] == "heavy modules: []", proc.stderr[-2000:]
+    machine = json.loads((tmp_path / "out" / "summary.json").read_text())["machine"]
+    assert machine["replies_from"] == argv[2] and "torch" not in machine["client"], machine
+
+
 def test_parity_of_two_independent_in_process_engines(exported_run, tiny_cfg, tiny_model_dir):
     volume, run_id = exported_run
     adapter = volume.export(run_id, 4)
@@ -193,7 +219,7 @@ class _ScriptedPlayer:
         self.episode_of: dict[int, int] = {}
 
     def generate(self, conversations, temperature, max_new_tokens, seed):
-        from shared.models.inference import Completion
+        from shared.models.contract import Completion
 
         replies = []
         for messages in conversations:

@@ -334,8 +334,8 @@ def test_only_an_engine_that_scores_replies_runs_the_decision_probes(tiny):
     all five actions; an HTTP engine is not, and is refused in one line before any request."""
     from shared.branching import ACTIONS, action_scores
     from shared.episodes import EpisodeSettings
+    from shared.models.contract import ScoringEngine
     from shared.models.endpoint import OpenAIEngine
-    from shared.models.inference import ScoringEngine
 
     model, processor = tiny
     local, http = LocalEngine(model, processor, max_images_in_context=1), OpenAIEngine("http://127.0.0.1:9", "m")

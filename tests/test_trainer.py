@@ -628,7 +628,7 @@ class _FlakyEngine:
         return self.engine.prompt(messages)
 
     def generate(self, conversations, temperature=0.0, max_new_tokens=24, seed=None):
-        from shared.models.inference import Completion
+        from shared.models.contract import Completion
 
         replies = self.engine.generate(conversations, temperature, max_new_tokens, seed)
         return [Completion("", [], error="RuntimeError: the engine failed this request")

@@ -16,7 +16,7 @@ from shared.config import ConfigError, load_config
 from shared.episodes import EpisodeSettings, run_episodes
 from shared.maze import generate
 from shared.maze.skyrl_env import register_env
-from shared.models.inference import Completion
+from shared.models.contract import Completion
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = json.loads((Path(__file__).parent / "data" / "visgym_prompt_reference.json").read_text())

@@ -25,7 +25,7 @@ from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
 from shared.evaluation.plots import plot_solve_rate
 from shared.evaluation.skyrl import skyrl_eval_metrics
-from shared.machine import machine_info
+from shared.machine import host_info, machine_info
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.models import ModelLoadError, check_adapter_dir, check_model_dir
 from shared.storage.files import append_jsonl, atomic_write_json, read_jsonl
@@ -133,9 +133,16 @@ def eval_endpoint(cfg: RunConfig, eval_set: EvalSet, engine, base_url: str, out:
                   settings: EpisodeSettings | None = None, samples: int = 1) -> dict:
     """Plays eval_set through an endpoint engine into `out` (summary, episodes, report); returns the summary."""
     summary, _ = evaluate(engine, eval_set, settings or EpisodeSettings.from_config(cfg), out, model=engine.name,
-                          adapter=engine.adapter, extra={"base_url": base_url}, samples=samples, seed=cfg.seed)
+                          adapter=engine.adapter, extra={"base_url": base_url}, samples=samples, seed=cfg.seed,
+                          machine=endpoint_machine(base_url))
     finish(out, summary, gifs and samples == 1, cfg.env.cell_px)
     return summary
+
+
+def endpoint_machine(base_url: str) -> dict:
+    """What a summary of play through an endpoint knows of its machine: the replies came from the server at base_url
+    (its CPU or GPU decides their numbers); this client, without torch, only drew the mazes and parsed the replies."""
+    return {"replies_from": base_url, "client": host_info()}
 
 
 def endpoint_engine(cfg: RunConfig, base_url: str, model_name: str | None, deadline_s: float = 120.0):
@@ -248,7 +255,7 @@ def play(argv: list[str]) -> None:
     eval_set = EvalSet(cfg.env.eval_env, seeds, cfg.env.max_turns)
     out = Path(args.out)
     summary, episodes = evaluate(engine, eval_set, EpisodeSettings.from_config(cfg), out, model=engine.name,
-                                 adapter=engine.adapter)
+                                 adapter=engine.adapter, machine=endpoint_machine(engine.base_url))
     if args.seed is not None:
         write_gifs(out, cfg.env.cell_px)
         episode = episodes[0]

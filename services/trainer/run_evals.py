@@ -20,7 +20,7 @@ from shared.config import ConfigError, RunConfig, ScheduleConfig, eval_settings
 from shared.episodes import EpisodeSettings
 from shared.evaluation import describe, evaluate
 from shared.maze.dataset import EvalSet
-from shared.models.inference import ScoringEngine
+from shared.models.contract import ScoringEngine
 from shared.models.loading import MergedCopy
 from shared.storage.files import append_jsonl, atomic_write_text, read_jsonl
 from shared.storage.volume import SharedVolume

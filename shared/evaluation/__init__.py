@@ -22,8 +22,9 @@ from shared.storage.files import atomic_write_json, atomic_write_text
 
 
 def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: str | None, extra: dict | None = None,
-              samples: int = 1, reward: str = "task") -> dict:
-    """Returns the summary.json dict for finished episodes (`samples` per maze, in maze order)."""
+              samples: int = 1, reward: str = "task", machine: dict | None = None) -> dict:
+    """Returns the summary.json dict for finished episodes (`samples` per maze, in maze order); `machine` is where
+    the replies were computed (default: this process, `machine_info()`)."""
     total = len(episodes)
     solved = sum(e.solved for e in episodes)
     oracle = eval_set.oracle_solved() * samples
@@ -63,7 +64,7 @@ def summarize(episodes: list[Episode], eval_set: EvalSet, model: str, adapter: s
         "wrong_branch_cells": {str(k): v for k, v in sorted(branch_cells.items())},
         "model": model,
         "adapter": adapter,
-        "machine": machine_info(),
+        "machine": machine if machine is not None else machine_info(),
     }
     if samples > 1:
         by_maze = [episodes[i : i + samples] for i in range(0, total, samples)]
@@ -85,12 +86,14 @@ def failure_kind(record: dict, max_turns: int) -> str:
 
 def evaluate(engine, eval_set: EvalSet, settings: EpisodeSettings, out_dir: str | Path | None = None,
              model: str | None = None, adapter: str | None = ..., extra: dict | None = None,
-             progress: str | None = None, samples: int = 1, seed: int = 0) -> tuple[dict, list[Episode]]:
+             progress: str | None = None, samples: int = 1, seed: int = 0,
+             machine: dict | None = None) -> tuple[dict, list[Episode]]:
     """Plays the eval set (greedy unless settings say otherwise); writes summary.json + episodes.jsonl.
 
     `adapter` is what the summary names as the adapter (default: the engine's); `progress` names a progress bar
     over turns, with the finished mazes beside it (none when None). `samples` > 1 plays every maze that many times
-    at the settings' temperature (seeded): the summary then counts episodes, and adds mean@k and pass@k."""
+    at the settings' temperature (seeded): the summary then counts episodes, and adds mean@k and pass@k. `machine`:
+    as `summarize`'s (an engine behind an endpoint passes what it knows of the server's)."""
     settings = EpisodeSettings(**{**settings.__dict__, "max_turns": eval_set.max_turns})
     if samples > 1 and settings.temperature == 0:
         raise ValueError("several samples per maze need a temperature above 0 (greedy play repeats itself)")
@@ -110,7 +113,7 @@ def evaluate(engine, eval_set: EvalSet, settings: EpisodeSettings, out_dir: str 
     summary = summarize(episodes, eval_set, model or getattr(engine, "name", "?"),
                         getattr(engine, "adapter", None) if adapter is ... else adapter,
                         {"elapsed_s": round(elapsed, 2), "temperature": settings.temperature, **(extra or {})},
-                        samples=samples, reward=settings.reward)
+                        samples=samples, reward=settings.reward, machine=machine)
     if out_dir is not None:
         out_dir = Path(out_dir)
         atomic_write_text(out_dir / "episodes.jsonl", "".join(

@@ -16,7 +16,7 @@ import numpy as np
 
 from shared.maze.render import data_uri
 from shared.models.chat import limit_context
-from shared.models.inference import Completion, row_seeds
+from shared.models.contract import Completion, row_seeds
 
 
 def to_openai_messages(messages: list[dict]) -> list[dict]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.models.chat import END_OF_TURN, chat_prompt, images_of, limit_context, text_ids
-from shared.models.inference import Completion, TokenizingEngine
+from shared.models.contract import Completion, TokenizingEngine
 
 
 @dataclass

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from shared.config import REPO_ROOT
-from shared.models.inference import ChatEngine, Completion, row_seeds
+from shared.models.contract import Completion, row_seeds
+from shared.models.inference import ChatEngine
 
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
