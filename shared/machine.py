@@ -3,7 +3,8 @@
 Floating-point results are bitwise reproducible on the same machine type; another CPU type runs the same code on
 the same data in the same order, but its vector units round differently, so its numbers differ. Every run and
 evaluation records this beside its results so a reader can tell which case they are in. An evaluation through an
-endpoint records only `host_info()`: its numbers are the server's, and the client needs no torch.
+endpoint records the server's address and this client's `host_info()` (services/evaluator): its numbers are the
+server's, and the client needs no torch.
 """
 
 from __future__ import annotations
