@@ -14,6 +14,7 @@ import pytest
 
 from shared.episodes import EpisodeSettings, run_episodes
 from shared.maze import generate
+from shared.models.contract import Completion
 from shared.models.endpoint import OpenAIEngine
 from shared.models.inference import LocalEngine
 
@@ -219,8 +220,6 @@ class _ScriptedPlayer:
         self.episode_of: dict[int, int] = {}
 
     def generate(self, conversations, temperature, max_new_tokens, seed):
-        from shared.models.contract import Completion
-
         replies = []
         for messages in conversations:
             index = self.episode_of.setdefault(id(messages), len(self.episode_of))

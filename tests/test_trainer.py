@@ -31,6 +31,7 @@ from services.trainer.algorithm import (
 from services.trainer.report import plot_title
 from services.trainer.rollout import MazeGroup, ScoredEpisode
 from shared.config import AlgorithmConfig
+from shared.models.contract import Completion
 from shared.models.training import TrainingSample
 from shared.storage.manifest import verify_manifest
 
@@ -628,8 +629,6 @@ class _FlakyEngine:
         return self.engine.prompt(messages)
 
     def generate(self, conversations, temperature=0.0, max_new_tokens=24, seed=None):
-        from shared.models.contract import Completion
-
         replies = self.engine.generate(conversations, temperature, max_new_tokens, seed)
         return [Completion("", [], error="RuntimeError: the engine failed this request")
                 if c[0]["content"][1]["image"].tobytes() == self.failing else r for c, r in zip(conversations, replies)]
