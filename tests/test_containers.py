@@ -118,8 +118,8 @@ def _health_checks() -> dict[str, tuple[list[str], int, str]]:
 def test_health_checks_ask_their_page_and_pass_only_on_a_200():
     """Each check runs on this host as the engine runs it in the container, against a real HTTP server on a free
     port: healthy when its page answers 200, not when it answers 503 (or another page is asked) or nothing listens. No
-    Python: the stack's checks run every 2 s while it is up, and a Python start each kept an idle stack at about
-    9% of a core (the checks' CPU in a whole `make test`: 12.4 CPU-s with Python, docs/experiments.md)."""
+    Python: the stack's checks run every 2 s while it is up, and a Python start each took about 6% of a core (an
+    idle stack at 15% of a core, 9% without; 12.5 CPU-s in a whole half-speed `make test`, docs/experiments.md)."""
     import http.server
     import threading
 
@@ -135,6 +135,9 @@ def test_health_checks_ask_their_page_and_pass_only_on_a_200():
         def log_message(self, *args):
             pass
 
+    def exit_code(argv: list[str]) -> int:
+        return subprocess.run(argv, capture_output=True, timeout=10).returncode
+
     checks = _health_checks()
     assert {"s3", "ray-head", "prometheus", "server-cpu"} <= set(checks)
     for name, (command, port, page) in checks.items():
@@ -143,19 +146,15 @@ def test_health_checks_ask_their_page_and_pass_only_on_a_200():
         server.page = page
         threading.Thread(target=server.serve_forever, daemon=True).start()
         here = [re.sub(rf"\b{port}\b", str(server.server_port), part) for part in command]
-
-        def check(argv=here) -> int:
-            return subprocess.run(argv, capture_output=True, timeout=10).returncode
-
         try:
             status["code"] = 200  # on `page` only: another path answers 404
-            assert check() == 0, f"{name}: unhealthy although {page} answers 200"
+            assert exit_code(here) == 0, f"{name}: unhealthy although {page} answers 200"
             status["code"] = 503
-            assert check() != 0, f"{name}: healthy although {page} answers 503"
+            assert exit_code(here) != 0, f"{name}: healthy although {page} answers 503"
         finally:
             server.shutdown()
             server.server_close()
-        assert check() != 0, f"{name}: healthy with nothing listening"
+        assert exit_code(here) != 0, f"{name}: healthy with nothing listening"
 
 
 def test_dockerignore_keeps_state_out():
