@@ -21,12 +21,14 @@ pytestmark = pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm: 
 
 
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local(tmp_path_factory):
     import ray
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
-    yield
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as patch:  # the actor inherits it: where TorchInductor would write kernels
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
+        yield
+        ray.shutdown()
 
 
 def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_local, tiny_cfg, tiny_model_dir,
@@ -60,6 +62,8 @@ def test_vllm_engine_follows_lora_sync_and_matches_the_in_process_engine(ray_loc
         assert completion.token_ids and len(completion.logprobs) == len(completion.token_ids)
         first_logprobs[step] = completion.logprobs[0]
     assert first_logprobs[2] != pytest.approx(first_logprobs[4], abs=1e-4), "the step-4 adapter was not loaded"
+    compiled = [path for path in Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).rglob("*") if path.is_file()]
+    assert not compiled, f"the CPU engine compiled its sampler's helpers with TorchInductor: {compiled[:3]}"
 
     # Sampling: each request with its own seed (seed + index), so 8 copies of one prompt at T=1 are 8 draws,
     # and the same seeds draw the same replies again.

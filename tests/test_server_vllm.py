@@ -103,6 +103,8 @@ def test_gpu_and_cpu_differ_only_in_accelerator_settings(tmp_path):
         configs[accelerator] = app["args"]["llm_configs"][0]
     cpu, gpu = configs["cpu"], configs["gpu"]
     assert cpu.pop("accelerator_config") == {"kind": "cpu"} and gpu.pop("accelerator_type") == "L40S"
+    cpu_env, gpu_env = cpu["runtime_env"]["env_vars"], gpu["runtime_env"]["env_vars"]
+    assert cpu_env.pop("TORCHDYNAMO_DISABLE") == "1" and "TORCHDYNAMO_DISABLE" not in gpu_env  # shared.models.VLLM_CPU_ENV
     assert cpu == gpu, "only the accelerator settings may differ"
     assert cpu["lora_config"]["dynamic_lora_loading_path"] == "s3://bucket/prefix/adapters"
     no_kv = dry_run("server.accelerator=cpu", "server.kv_cache_bytes=null")
@@ -115,6 +117,7 @@ def test_the_vllm_apps_s3_settings_reach_its_workers(monkeypatch, tmp_path):
     environment."""
     from services.server.llm import app_args
     from shared.config import load_config
+    from shared.models import VLLM_CPU_ENV
     from shared.storage.s3 import LOCAL_CREDENTIALS
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
@@ -125,7 +128,7 @@ def test_the_vllm_apps_s3_settings_reach_its_workers(monkeypatch, tmp_path):
                       environ={"S3_URI": "s3://b/p", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
     args = app_args(cfg)
     env_vars = args["llm_configs"][0]["runtime_env"]["env_vars"]
-    assert env_vars == {"AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://127.0.0.1:9", **LOCAL_CREDENTIALS}
+    assert env_vars == {"AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://127.0.0.1:9", **LOCAL_CREDENTIALS, **VLLM_CPU_ENV}
     ingress = args["ingress_cls_config"]["ingress_extra_kwargs"]
     assert (ingress["endpoint_url"], ingress["region"]) == ("http://127.0.0.1:9", "eu-west-1")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")
@@ -208,6 +211,7 @@ def vllm_server(failing_server, exported_run, tiny_model_dir, s3_endpoint, wide_
     exporter.publish("wide", wide_adapter, {"rank": 64})
     exporter.publish("wide-unlabelled", wide_adapter, {})
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-vllm-", dir="/tmp")  # short: Ray's socket paths live under it
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))  # where a compile would write its kernels
     port = free_port()
     proc, url = _start(env, _overrides(tiny_model_dir, port), tmp_path_factory.mktemp("vllm") / "server.log")
     assert url, "the vLLM server exited"
@@ -276,6 +280,8 @@ def test_adapters_come_from_s3_and_a_repointed_alias_serves_its_new_weights(vllm
     assert _first_logprob(url, f"{BASE}:maze-grpo") == pytest.approx(step2, abs=1e-6)
     _export(env, "--run", run_id, "--alias", "maze-grpo", "--pick", "latest")  # re-point: step 4
     assert _first_logprob(url, f"{BASE}:maze-grpo") == pytest.approx(step4, abs=1e-6)
+    compiled = [path for path in Path(env["TORCHINDUCTOR_CACHE_DIR"]).rglob("*") if path.is_file()]
+    assert not compiled, f"the CPU engine compiled its sampler's helpers with TorchInductor: {compiled[:3]}"
 
 
 @needs_vllm

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from shared.config import RunConfig
+from shared.models import VLLM_CPU_ENV
 from shared.storage.s3 import endpoint_credentials
 from shared.storage.volume import SharedVolume
 
@@ -66,6 +67,7 @@ def llm_config(cfg: RunConfig) -> dict:
         if server.accelerator_type:
             raise ValueError("server.accelerator_type names a GPU: leave it unset with server.accelerator=cpu")
         config["accelerator_config"] = {"kind": "cpu"}
+        env_vars.update(VLLM_CPU_ENV)
     elif server.accelerator_type:
         config["accelerator_type"] = server.accelerator_type
     return config

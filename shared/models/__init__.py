@@ -7,6 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The environment of a vLLM engine on CPU (the server's app with server.accelerator=cpu, the rollout engine). vLLM runs
+# the model eagerly once LoRA is on, but its sampler still wraps two helpers in torch.compile (a sampled token's rank
+# for `logprobs`, sampling without a seed): the first requests that need them compile C++ with TorchInductor, 16.5
+# CPU-seconds and 16 s on a fresh machine here against 0.16 s eager (docs/experiments.md), the same logprobs. Eager,
+# each is one comparison or one argmax over the vocabulary.
+VLLM_CPU_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+
 
 class ModelLoadError(RuntimeError):
     """A model or adapter folder that cannot be used, with what to do about it."""
