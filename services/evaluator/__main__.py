@@ -28,7 +28,7 @@ from shared.evaluation.skyrl import skyrl_eval_metrics
 from shared.machine import host_info, machine_info
 from shared.maze.dataset import EvalSet, parse_seeds
 from shared.models import ModelLoadError, check_adapter_dir, check_model_dir
-from shared.storage.files import append_jsonl, atomic_write_json, read_jsonl
+from shared.storage.files import append_jsonl, atomic_write_json, read_jsonl, writable_folder
 from shared.storage.ids import check_run_id
 from shared.storage.manifest import sha256_file
 from shared.storage.volume import SharedVolume
@@ -364,10 +364,10 @@ def settings_from(cfg: RunConfig, samples: int, temperature: float | None) -> Ep
 
 def evaluate_endpoint(cfg: RunConfig, args, eval_set: EvalSet, settings: EpisodeSettings) -> tuple[dict, Path]:
     """Plays the eval set against an OpenAI-compatible endpoint (--base-url); returns (summary, output folder)."""
+    name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
+    out = writable_folder(args.out or SharedVolume(cfg.shared_path()).eval(args.run or "endpoint", name))
     engine = endpoint_engine(cfg, args.base_url, args.model_name, args.request_deadline)
     engine.check()
-    name = args.name or f"endpoint_{(args.model_name or cfg.model.base_model_id).replace(':', '_')}"
-    out = Path(args.out) if args.out else SharedVolume(cfg.shared_path()).eval(args.run or "endpoint", name)
     return eval_endpoint(cfg, eval_set, engine, args.base_url, out, gifs=not args.no_gifs, settings=settings,
                          samples=args.samples), out
 
@@ -385,7 +385,7 @@ def evaluate_model(cfg: RunConfig, args, eval_set: EvalSet, settings: EpisodeSet
         log.info(f"evaluating {args.run} export at step {step}")
     adapter_dir = resolve_adapter(cfg, str(adapter) if adapter else None)
     name = args.name or (f"eval_{Path(adapter_dir).parent.name if adapter_dir else model_dir.name}")
-    out = Path(args.out) if args.out else volume.eval(args.run or "adhoc", name)
+    out = writable_folder(args.out or volume.eval(args.run or "adhoc", name))  # before the model loads and plays
     return eval_local(cfg, eval_set, model_dir, adapter_dir, out, gifs=not args.no_gifs, settings=settings,
                       samples=args.samples), out
 

@@ -29,6 +29,21 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+def writable_folder(folder: str | Path) -> Path:
+    """Creates folder (and its parents) and writes a file in it, so a read-only or foreign volume is found before the
+    work whose results would go there; OSError naming folder if this user cannot write it."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(prefix=".write-check-", dir=folder):
+            pass
+    except OSError as exc:
+        if exc.filename and Path(exc.filename).parent == folder:  # the check's own file: name the folder
+            raise OSError(exc.errno, exc.strerror, str(folder)) from None
+        raise
+    return folder
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
