@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.net import free_port
 from shared.storage.adapters import AdapterStore
 from shared.storage.manifest import ManifestError, read_manifest, write_manifest
 
@@ -300,11 +301,18 @@ def _read_only_folder(tmp_path: Path) -> tuple[Path, callable]:
 
 @pytest.mark.slow  # runs a service or a server
 def test_a_read_only_shared_dir_is_one_line(tiny_model_dir, tmp_path):
+    """Found before any work whose results would be lost: the evaluator checks its output folder before it loads a
+    model or reaches an endpoint (here a model without weights and an address nothing listens on, which it would
+    otherwise report first)."""
     folder, undo = _read_only_folder(tmp_path)
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", weightless)
     try:
         env = {**os.environ, "SHARED_DIR": str(folder)}
-        evaluator = ["services.evaluator", "--model", str(tiny_model_dir), "--seeds", "0-0", "--no-gifs"]
-        for command in (["services.trainer"], evaluator):
+        local = ["services.evaluator", "--model", str(weightless), "--seeds", "0-0", "--no-gifs"]
+        remote = ["services.evaluator", "--base-url", f"http://127.0.0.1:{free_port()}", "--seeds", "0-0", "--no-gifs"]
+        for command in (["services.trainer"], local, remote):
             proc = subprocess.run([sys.executable, "-m", *command], cwd=REPO, env=env, capture_output=True,
                                   text=True, timeout=300)
             assert proc.returncode != 0 and "Traceback" not in proc.stderr, (command, proc.stderr[-3000:])
@@ -312,6 +320,10 @@ def test_a_read_only_shared_dir_is_one_line(tiny_model_dir, tmp_path):
             assert line.startswith("error: ") and "Read-only file system" in line, (command, line)
     finally:
         undo()
+    proc = subprocess.run([sys.executable, "-m", *local], cwd=REPO, env={**os.environ, "SHARED_DIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    line = proc.stderr.strip().splitlines()[-1]  # a model that cannot load is not a volume that cannot be written
+    assert proc.returncode != 0 and line.startswith(f"error: cannot load the model at {weightless}: "), line
 
 
 @pytest.mark.slow  # runs a service or a server

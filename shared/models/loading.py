@@ -27,9 +27,12 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
             verify_manifest(model_dir)
         except ManifestError as exc:
             raise ModelLoadError(f"model at {model_dir} is corrupt: {exc}") from None
-    processor = AutoProcessor.from_pretrained(model_dir)
+    try:  # transformers says what is missing (a processor's or the weights' file) in an OSError
+        processor = AutoProcessor.from_pretrained(model_dir)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load the model at {model_dir}: {exc}") from None
     processor.tokenizer.padding_side = "left"
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device)
     model.eval()
     return model, processor
 
