@@ -106,7 +106,8 @@ class VllmEngine(ChatEngine):
         # The engine core runs inside this actor (VLLM_ENABLE_V1_MULTIPROCESSING=0): `LLM.generate` is one blocking
         # batch, so a separate engine-core process (and its worker, each importing vLLM) buys nothing but start-up
         # time: on the CPU machines 3 s instead of 45 s once vLLM is imported.
-        env_vars = {**loopback_env_for_vllm(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **VLLM_CPU_ENV}
+        env_vars = {**loopback_env_for_vllm(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                    **(VLLM_CPU_ENV if Path(python) == VLLM_PYTHON else {})}  # .venv-vllm holds vllm-cpu
         runtime_env = {"py_executable": str(python), "env_vars": env_vars}
         actor = ray.remote(VllmGenerator).options(num_cpus=num_cpus, runtime_env=runtime_env)
         self.actor = actor.remote(str(model_dir), cfg.model.dtype, cfg.lora.rank,

@@ -38,7 +38,7 @@ def writable_folder(folder: str | Path) -> Path:
         with tempfile.NamedTemporaryFile(prefix=".write-check-", dir=folder):
             pass
     except OSError as exc:
-        if exc.filename and Path(exc.filename).parent == folder:  # the check's own file: name the folder
+        if exc.filename and Path(exc.filename).parent == folder.absolute():  # the check's own file: name the folder
             raise OSError(exc.errno, exc.strerror, str(folder)) from None
         raise
     return folder
