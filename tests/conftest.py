@@ -212,6 +212,13 @@ SERVER_OVERRIDES = ["server.max_image_bytes=200000", "server.max_images_per_requ
                     "server.max_request_bytes=1500000", "server.adapter_revalidate_s=1"]
 
 
+def assert_no_inductor_kernels(cache_dir: str | Path) -> None:
+    """Fails if TorchInductor wrote kernels into cache_dir (a vLLM engine on CPU runs its sampler's helpers eagerly:
+    shared.models.VLLM_CPU_ENV)."""
+    compiled = [path for path in Path(cache_dir).rglob("*") if path.is_file()]
+    assert not compiled, f"the CPU engine compiled its sampler's helpers with TorchInductor: {compiled[:3]}"
+
+
 def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
     """Ends a service started with start_new_session=True: SIGTERM to its group, SIGKILL after grace_s; a no-op once
     it has exited."""
